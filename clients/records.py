@@ -11,9 +11,7 @@ import json
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedfuse.models import ModelSpec
-
-from .site import ClientUpload
+from fedfuse.uploads import ClientUpload
 
 WEIGHTS_KEY = "arrays"
 SCORES_KEY = "scores"
@@ -52,8 +50,3 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
 def unpack_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """An ArrayRecord as a dict of CPU tensors."""
     return dict(record.to_torch_state_dict())
-
-
-def spec_from_site(site: ConfigRecord) -> ModelSpec:
-    """The model spec a client declared in its site record."""
-    return ModelSpec.from_dict(json.loads(str(site["model-spec"])))

@@ -7,37 +7,21 @@ benchmarks call it directly.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from fedfuse.data import load_npz_dataset
 from fedfuse.fusion import FUSION_METHODS
 from fedfuse.fusion.regmean import level_grams
-from fedfuse.importance import Scores, importance_scores
-from fedfuse.models import LeveledModel, build_model
+from fedfuse.importance import importance_scores
+from fedfuse.models import build_model
 from fedfuse.runtime import limit_threads, seed_everything
 from fedfuse.scenario import RunSettings, Scenario, client_seed, scores_sample
 from fedfuse.training import train
+from fedfuse.uploads import ClientUpload
 from fedfuse.validation import load_validated_state
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ClientUpload:
-    """What one site sends to the server after local training."""
-
-    model: LeveledModel
-    scores: Scores
-    num_examples: int
-    class_counts: list[int]
-    partition_id: int
-    num_partitions: int
-    score_method: str
-    init: str
-    train_loss: float
-    grams: dict[int, torch.Tensor] | None = None
 
 
 def train_site(

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from .atomic import atomic_path
+from .capture import predict
 from .data import ImageDataset
 from .fusion import FUSION_METHODS, FusionResult
-from .models import Ensemble
-from .training import evaluate
 
 
 def evaluate_fusion(
@@ -22,22 +25,46 @@ def evaluate_fusion(
     test_set: ImageDataset,
     *,
     device: str = "auto",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Accuracy and loss on ``test_set`` of each base model, their ensemble and each fused model.
 
-    ``fused`` maps a label (the fusion method) to its fused model.
+    ``fused`` maps a label (the fusion method) to its fused model. One pass over the base models
+    (which may be a lazy sequence of memory-mapped models): each model's logits give its own
+    accuracy and are folded into the ensemble's running average of probabilities, so a thousand
+    base models cost a thousand forward passes and one model's worth of memory.
     """
-    base = [evaluate(m, test_set, device=device) for m in base_models]
-    ensemble = evaluate(Ensemble(list(base_models)), test_set, device=device)
+    inputs, labels = test_set.inputs(), test_set.labels
+    base: list[dict[str, float]] = []
+    log_mixture: torch.Tensor | None = None
+    bar = tqdm(base_models, desc="evaluating base models", disable=None if progress else True)
+    for model in bar:
+        logits = predict(model, inputs, device=device)
+        base.append(_scores(logits, labels))
+        log_probs = logits.double().log_softmax(dim=-1)
+        log_mixture = log_probs if log_mixture is None else torch.logaddexp(log_mixture, log_probs)
+        del model
+    if log_mixture is None:
+        raise ValueError("evaluate_fusion needs at least one base model")
+    ensemble = _scores(log_mixture - math.log(len(base)), labels)
     fused_results = {
-        name: evaluate(model, test_set, device=device) for name, model in (fused or {}).items()
+        name: _scores(predict(model, inputs, device=device), labels)
+        for name, model in (fused or {}).items()
     }
     return {
-        "base": [{"accuracy": r.accuracy, "loss": r.loss} for r in base],
-        "base_mean_accuracy": sum(r.accuracy for r in base) / len(base),
-        "ensemble": {"accuracy": ensemble.accuracy, "loss": ensemble.loss},
-        "fused": {n: {"accuracy": r.accuracy, "loss": r.loss} for n, r in fused_results.items()},
+        "base": base,
+        "base_mean_accuracy": sum(r["accuracy"] for r in base) / len(base),
+        "ensemble": ensemble,
+        "fused": fused_results,
         "test_examples": len(test_set),
+    }
+
+
+def _scores(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Top-1 accuracy and mean cross-entropy of ``logits`` (log-probabilities work too)."""
+    return {
+        "accuracy": (logits.argmax(1) == labels).double().mean().item(),
+        "loss": F.cross_entropy(logits.double(), labels).item(),
     }
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import ImageDataset, load_dataset, load_npz_dataset
+from .data import ImageDataset, load_dataset, load_npz_dataset, resolve_data_root
 from .models import ModelSpec, make_spec
+from .partition_cache import PartitionCache
 from .partitions import class_counts, partition_labels, sample_fusion_set
 from .training import TrainConfig
 
@@ -55,7 +56,7 @@ class RunSettings:
     score_method: str = "conductance"
     score_samples: int = 512
     score_steps: int = 16
-    strategy: str = "kf-linear,hf-linear,fedavg"
+    strategy: str = "kf-linear,fedavg"
     fusion_options: str = ""
     fusion_samples: int = 400
     fusion_source: str = "0"
@@ -147,11 +148,19 @@ class Scenario:
     simulated split (only the test set, the model spec and a ``fusion-data`` file).
     """
 
-    def __init__(self, settings: RunSettings, num_clients: int) -> None:
+    def __init__(
+        self, settings: RunSettings, num_clients: int, *, train_set: ImageDataset | None = None
+    ) -> None:
         if num_clients < 0:
             raise ValueError(f"num_clients must be >= 0, got {num_clients}")
         self.settings = settings
         self.num_clients = num_clients
+        if train_set is not None:  # already loaded by another scenario of the same run
+            self.__dict__["train_set"] = train_set
+
+    def with_clients(self, num_clients: int) -> Scenario:
+        """The same run split over another number of sites, sharing the data already loaded."""
+        return Scenario(self.settings, num_clients, train_set=self.__dict__.get("train_set"))
 
     @cached_property
     def train_set(self) -> ImageDataset:
@@ -176,13 +185,8 @@ class Scenario:
         s = self.settings
         if self.num_clients == 0:
             raise ValueError("a deployment scenario (num_clients=0) has no simulated partitions")
-        options: dict[str, Any] = {}
-        if s.partitioner == "dirichlet":
-            options = {
-                "alpha_min": s.dirichlet_alpha_min,
-                "min_max_ratio": s.dirichlet_min_max_ratio,
-            }
         labels = self.train_set.labels.numpy()
+        options = self._partitioner_options()
         parts = partition_labels(s.partitioner, labels, self.num_clients, seed=s.seed, **options)
         if s.train_samples > 0:
             rng = np.random.default_rng(s.seed + 1)
@@ -194,10 +198,40 @@ class Scenario:
             ]
         return parts
 
-    def client_data(self, partition_id: int) -> ImageDataset:
+    def _partitioner_options(self) -> dict[str, Any]:
+        s = self.settings
+        if s.partitioner == "dirichlet":
+            return {"alpha_min": s.dirichlet_alpha_min, "min_max_ratio": s.dirichlet_min_max_ratio}
+        return {}
+
+    def cache_fields(self) -> dict[str, Any]:
+        """Everything that determines this scenario's split (the partition cache's key)."""
+        s = self.settings
+        return {
+            "dataset": s.dataset,
+            "data_root": str(resolve_data_root(s.data_root or None).resolve()),
+            "partitioner": s.partitioner,
+            "options": self._partitioner_options(),
+            "seed": s.seed,
+            "num_clients": self.num_clients,
+            "train_samples": s.train_samples,
+        }
+
+    def client_data(self, partition_id: int, *, cached: bool = True) -> ImageDataset:
+        """Site ``partition_id``'s training data.
+
+        With ``cached`` (a site of a simulation), from the split's memory-mapped partition cache
+        (:mod:`fedfuse.partition_cache`), written once by the first site that needs it; the
+        site never loads the whole training set.
+        """
         if not 0 <= partition_id < self.num_clients:
             raise ValueError(f"partition-id {partition_id} is outside 0..{self.num_clients - 1}")
-        return self.train_set.subset(self.partitions[partition_id])
+        if not cached:
+            return self.train_set.subset(self.partitions[partition_id])
+        cache = PartitionCache.open_or_build(
+            self.cache_fields(), lambda: (self.train_set, self.partitions)
+        )
+        return cache.client_data(partition_id)
 
     def class_counts(self) -> np.ndarray:
         """Clients x classes table of training samples."""

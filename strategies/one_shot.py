@@ -1,35 +1,53 @@
 """``OneShotFusion``: a Flower strategy with one round of local training and one fusion.
 
-The server sends every connected site one train message, collects weights + importance scores,
-validates each reply (naming any bad or silent client), and hands the models to a fusion method
-of the Flower-free library. There is no federated evaluation round: the server evaluates the
-fused model itself.
+The server checks that every listed fusion method can fuse this run (number of sites,
+architecture, inputs) before any site trains, sends every connected site one train message,
+and takes the replies **as they arrive**: each is validated (naming a bad client) and written
+at once to the run's :class:`~fedfuse.uploads.UploadStore`, so the server never holds every
+upload in memory and nothing a site computed is lost if a later step fails. Once all sites
+replied, or the reply timeout passed, the accepted uploads are fused by each method of the
+Flower-free library; a method that fails is recorded with its error and the others go on.
+There is no federated evaluation round: the server evaluates the fused models itself.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
 from fedfuse.clients.records import CONFIG_KEY, WEIGHTS_KEY
-from fedfuse.clients.site import ClientUpload
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, FusionMethod, FusionResult
 from fedfuse.models import ModelSpec
+from fedfuse.uploads import StoredUpload, UploadStore
 from fedfuse.validation import ContributionError
 
-from .replies import decode_reply
+from .replies import decode_reply, describe_sender
 
 log = logging.getLogger(__name__)
 
 
 class FusionAborted(RuntimeError):
     """Too few usable uploads arrived to fuse; the message lists every client's problem."""
+
+
+class MethodsUnfit(ValueError):
+    """A listed fusion method cannot fuse this run; raised before any site trains."""
+
+
+@dataclass
+class MethodFailure:
+    """A fusion method that raised while fusing (the other methods still ran)."""
+
+    error: str
+    seconds: float
 
 
 def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
@@ -46,41 +64,97 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
     return sorted(nodes)
 
 
+def check_methods(
+    methods: Sequence[FusionMethod],
+    num_sites: int,
+    spec: ModelSpec | None,
+    available: Iterable[str] | None = None,
+) -> None:
+    """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run."""
+    available = None if available is None else set(available)
+    problems = []
+    for method in methods:
+        try:
+            method.check_run(num_sites, spec, available)
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise MethodsUnfit(
+            f"{len(problems)} of the listed fusion methods cannot fuse this run of {num_sites} "
+            "sites (checked before any site trains): " + "; ".join(problems)
+        )
+
+
+def stream_replies(
+    grid: Grid, messages: Sequence[Message], timeout: float, *, poll_interval: float = 0.5
+) -> Iterator[Message]:
+    """Push ``messages`` and yield each reply as soon as it is available, until all replied or
+    ``timeout`` seconds passed. Afterwards the generator's return value (``StopIteration``)
+    is the list of destination nodes that never replied."""
+    ids = list(grid.push_messages(messages))
+    pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True) if mid}
+    unsent = [msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True) if not mid]
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        arrived = False
+        # a few at a time: each reply carries a whole model, and is handled before the next
+        batch = sorted(pending)
+        for start in range(0, len(batch), 8):
+            for reply in grid.pull_messages(batch[start : start + 8]):
+                if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+                    arrived = True
+                    yield reply
+        if not arrived:
+            time.sleep(poll_interval)
+    return sorted(pending.values()) + unsent
+
+
 class OneShotFusion(Strategy):
     """One round: every site trains and uploads once; the server fuses the uploads.
 
     Args:
         methods: the fusion methods (any :class:`fedfuse.fusion.FusionMethod`); all fuse the
-            same uploads, and the first one's model is the round's result.
-        expected_spec: the architecture every upload must have (None: the first upload's).
-        fusion_set: given the uploads, the server's fusion set (None when the method needs none).
+            same uploads, and the first one that succeeds gives the round's result arrays.
+        store: where each accepted upload is written as it arrives (its ``expected_spec``, when
+            set, is the architecture every upload must have).
+        fusion_set: given the sites' ``num-partitions`` (0 in a deployment), the server's
+            fusion set (None: the methods need none).
         min_nodes: SuperNodes to wait for, and the fewest valid uploads to fuse.
         node_wait_timeout: seconds to wait for ``min_nodes`` SuperNodes.
         require_scores: reject uploads without importance scores.
+        available_inputs: the :class:`FusionInputs` fields this run provides, for the check
+            before training (None: all).
+        on_upload: called with each stored upload (progress reports, result files).
     """
 
     def __init__(
         self,
         methods: Sequence[FusionMethod],
         *,
-        expected_spec: ModelSpec | None = None,
-        fusion_set: Callable[[list[ClientUpload]], ImageDataset | None] | None = None,
+        store: UploadStore,
+        fusion_set: Callable[[int], ImageDataset | None] | None = None,
         min_nodes: int = 2,
         node_wait_timeout: float = 120.0,
         require_scores: bool = True,
+        available_inputs: Iterable[str] | None = None,
+        on_upload: Callable[[StoredUpload], None] | None = None,
     ) -> None:
         if not methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
         self.methods = list(methods)
-        self.expected_spec = expected_spec
+        self.store = store
         self.fusion_set = fusion_set
         self.min_nodes = min_nodes
         self.node_wait_timeout = node_wait_timeout
         self.require_scores = require_scores
-        self.uploads: list[ClientUpload] = []
+        self.available_inputs = available_inputs
+        self.on_upload = on_upload
         self.problems: list[str] = []
         self.results: dict[str, FusionResult] = {}
+        self.failures: dict[str, MethodFailure] = {}
+        self.num_partitions = 0
         self._sent: list[int] = []
+        self.timings: dict[str, float] = {}
 
     def summary(self) -> None:
         log.info(
@@ -89,10 +163,15 @@ class OneShotFusion(Strategy):
             self.min_nodes,
         )
 
+    # ------------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        """Wait for the sites, check every method against them, then one message per site."""
         self._sent = wait_for_nodes(grid, self.min_nodes, self.node_wait_timeout)
+        check_methods(
+            self.methods, len(self._sent), self.store.expected_spec, self.available_inputs
+        )
         config["server-round"] = server_round
         content = RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
         log.info("sending the one train message to %d sites", len(self._sent))
@@ -104,55 +183,13 @@ class OneShotFusion(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Accept every reply, then fuse (the batch path; :meth:`start` streams instead)."""
         replies = list(replies)
+        for reply in replies:
+            self.accept(reply)
         answered = {msg.metadata.src_node_id for msg in replies}
-        self.problems = [
-            f"node {node}: no reply before the reply timeout"
-            for node in self._sent
-            if node not in answered
-        ]
-        uploads: list[ClientUpload] = []
-        for msg in replies:
-            try:
-                upload = decode_reply(msg, self.expected_spec, require_scores=self.require_scores)
-            except ContributionError as error:
-                self.problems.append(str(error))
-                continue
-            if self.expected_spec is None:
-                self.expected_spec = upload.model.spec
-            uploads.append(upload)
-        for problem in self.problems:
-            log.error("rejected upload: %s", problem)
-        self.uploads = sorted(uploads, key=lambda u: u.partition_id)
-        if len(self.uploads) < self.min_nodes:
-            raise FusionAborted(
-                f"{len(self.uploads)} usable upload(s), {self.min_nodes} needed to fuse: "
-                + "; ".join(self.problems)
-            )
-        fusion_set = self.fusion_set(self.uploads) if self.fusion_set else None
-        inputs = FusionInputs(
-            data=fusion_set.inputs() if fusion_set is not None else None,
-            labels=fusion_set.labels if fusion_set is not None else None,
-            scores=[u.scores for u in self.uploads],
-            sample_counts=[u.num_examples for u in self.uploads],
-            class_counts=[u.class_counts for u in self.uploads],
-            grams=(
-                [u.grams for u in self.uploads]
-                if all(u.grams is not None for u in self.uploads)
-                else None
-            ),
-        )
-        models = [u.model for u in self.uploads]
-        self.results = {method.name: method.fuse(models, inputs) for method in self.methods}
-        primary = self.results[self.methods[0].name]
-        metrics = MetricRecord(
-            {
-                "fusion-seconds": primary.seconds,
-                "num-uploads": len(self.uploads),
-                "num-examples": sum(u.num_examples for u in self.uploads),
-            }
-        )
-        return ArrayRecord(primary.model.state_dict()), metrics
+        self.note_silent([node for node in self._sent if node not in answered])
+        return self.fuse()
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -163,3 +200,130 @@ class OneShotFusion(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         return None
+
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 1,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        **_: object,
+    ) -> Result:
+        """The one round, taking replies as they arrive instead of all at once at the end."""
+        if num_rounds != 1:
+            raise ValueError(f"one-shot fusion has exactly one round, not {num_rounds}")
+        self.summary()
+        started = time.monotonic()
+        messages = list(
+            self.configure_train(1, initial_arrays, train_config or ConfigRecord(), grid)
+        )
+        replies = stream_replies(grid, messages, timeout)
+        while True:
+            try:
+                self.accept(next(replies))
+            except StopIteration as done:
+                self.note_silent(done.value)
+                break
+        self.timings["collect"] = time.monotonic() - started
+        arrays, metrics = self.fuse()
+        result = Result()
+        result.arrays = arrays if arrays is not None else ArrayRecord()
+        if metrics is not None:
+            result.train_metrics_clientapp[1] = metrics
+        return result
+
+    # ------------------------------------------------------------------ steps
+    def accept(self, msg: Message) -> StoredUpload | None:
+        """Validate one reply and store it; a bad one is named in :attr:`problems`."""
+        source = describe_sender(msg)
+        try:
+            upload = decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
+            entry = self.store.add(upload, source=source)
+        except ContributionError as error:
+            self.problems.append(str(error))
+            log.error("rejected upload: %s", error)
+            return None
+        log.info(
+            "stored the upload of %s (%d examples): %d of %d sites",
+            source,
+            entry.num_examples,
+            len(self.store),
+            len(self._sent) or len(self.store),
+        )
+        if self.on_upload is not None:
+            self.on_upload(entry)
+        return entry
+
+    def note_silent(self, nodes: Iterable[int]) -> None:
+        """Name the sites that did not reply before the timeout."""
+        for node in nodes:
+            problem = f"node {node}: no reply before the reply timeout"
+            self.problems.append(problem)
+            log.error("%s", problem)
+
+    def _agree_on_partitions(self) -> None:
+        """Keep the uploads whose ``num-partitions`` is the majority's; name the others."""
+        counts = Counter(entry.num_partitions for entry in self.store.entries)
+        if not counts:
+            return
+        # the most common value; on a tie, the smallest (a deterministic choice)
+        self.num_partitions = min(counts, key=lambda n: (-counts[n], n))
+        for entry in self.store.entries:
+            if entry.num_partitions != self.num_partitions:
+                problem = (
+                    f"{entry.source}: reports num-partitions {entry.num_partitions}, "
+                    f"{counts[self.num_partitions]} other site(s) report {self.num_partitions}"
+                )
+                self.problems.append(problem)
+                self.store.discard(entry.partition_id, problem)
+
+    def fuse(self) -> tuple[ArrayRecord | None, MetricRecord]:
+        """Fuse the stored uploads with every method; each failure is kept, not raised.
+
+        Raises:
+            FusionAborted: fewer than ``min_nodes`` usable uploads, or every method failed.
+        """
+        self._agree_on_partitions()
+        if len(self.store) < self.min_nodes:
+            raise FusionAborted(
+                f"{len(self.store)} usable upload(s), {self.min_nodes} needed to fuse: "
+                + "; ".join(self.problems)
+            )
+        started = time.monotonic()
+        fusion_set = self.fusion_set(self.num_partitions) if self.fusion_set else None
+        entries = self.store.entries
+        inputs = FusionInputs(
+            data=fusion_set.inputs() if fusion_set is not None else None,
+            labels=fusion_set.labels if fusion_set is not None else None,
+            scores=self.store.scores(),
+            sample_counts=[e.num_examples for e in entries],
+            class_counts=[e.class_counts for e in entries],
+            grams=self.store.grams(),
+        )
+        models = self.store.models()
+        for method in self.methods:
+            method_started = time.monotonic()
+            try:
+                self.results[method.name] = method.fuse(models, inputs)
+            except Exception as error:  # one method's failure must not cost the others
+                seconds = time.monotonic() - method_started
+                self.failures[method.name] = MethodFailure(
+                    f"{type(error).__name__}: {error}", seconds
+                )
+                log.exception("fusion method %s failed; the other methods go on", method.name)
+        self.timings["fuse"] = time.monotonic() - started
+        if not self.results:
+            raise FusionAborted(
+                "every fusion method failed: "
+                + "; ".join(f"{name}: {f.error}" for name, f in self.failures.items())
+            )
+        primary = next(iter(self.results.values()))
+        metrics = MetricRecord(
+            {
+                "fusion-seconds": primary.seconds,
+                "num-uploads": len(self.store),
+                "num-examples": sum(e.num_examples for e in entries),
+            }
+        )
+        return ArrayRecord(primary.model.state_dict()), metrics

@@ -1,9 +1,16 @@
-"""Turning client replies into validated uploads, with errors that name the client."""
+"""Turning one client reply into a validated upload, with errors that name the client.
+
+Nothing in a reply is trusted: its records may be missing or of the wrong kind, its spec forged,
+its tensors misshapen or not finite, its counts negative or absurd. Every check comes from
+:mod:`fedfuse.validation`, and sizes are compared with the spec before anything is built.
+"""
 
 from __future__ import annotations
 
-import torch
-from flwr.app import Message
+import json
+from typing import Any
+
+from flwr.app import ConfigRecord, Message
 
 from fedfuse.checkpoint import scores_from_tensors
 from fedfuse.clients.records import (
@@ -12,13 +19,18 @@ from fedfuse.clients.records import (
     SCORES_KEY,
     SITE_KEY,
     WEIGHTS_KEY,
-    spec_from_site,
     unpack_tensors,
 )
-from fedfuse.clients.site import ClientUpload
-from fedfuse.fusion.affine import affine_view
-from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.validation import ContributionError, load_validated_state, validate_scores
+from fedfuse.models import ModelSpec
+from fedfuse.uploads import ClientUpload
+from fedfuse.validation import (
+    ContributionError,
+    model_from_state,
+    validate_grams,
+    validate_partition,
+    validate_scores,
+    validate_site_facts,
+)
 
 
 def describe_sender(msg: Message) -> str:
@@ -27,7 +39,7 @@ def describe_sender(msg: Message) -> str:
     if not msg.has_error():
         site = msg.content.config_records.get(SITE_KEY)
         if site is not None and "partition-id" in site:
-            return f"client {site['partition-id']} ({node})"
+            return f"client {str(site['partition-id'])[:20]} ({node})"
     return node
 
 
@@ -46,40 +58,34 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
             raise ContributionError(f"{source}: reply lacks the {key!r} record")
     site = content.config_records[SITE_KEY]
     metrics = content.metric_records[METRICS_KEY]
-    try:
-        spec = spec_from_site(site)
-    except (KeyError, ValueError) as error:
-        raise ContributionError(f"{source}: unusable model spec in its reply ({error})") from None
+    spec = _spec(site, source)
     if expected is not None and spec != expected:
         raise ContributionError(
             f"{source}: sent architecture {spec.to_dict()}, the server expects {expected.to_dict()}"
         )
-    model = load_validated_state(
-        build_model(spec), unpack_tensors(content.array_records[WEIGHTS_KEY]), source=source
-    )
+    model = model_from_state(spec, _tensors(content, WEIGHTS_KEY, source), source=source)
     if SCORES_KEY in content.array_records and len(content.array_records[SCORES_KEY]):
-        scores = scores_from_tensors(
-            unpack_tensors(content.array_records[SCORES_KEY]), source=source
-        )
+        scores = scores_from_tensors(_tensors(content, SCORES_KEY, source), source=source)
         validate_scores(model, scores, source=source)
     elif require_scores:
         raise ContributionError(f"{source}: sent no importance scores, and the strategy needs them")
     else:
         scores = {}
-    try:
-        num_examples = int(metrics["num-examples"])
-        counts = [int(c) for c in site["class-counts"]]  # type: ignore[union-attr]
-        partition_id = int(site["partition-id"])  # type: ignore[arg-type]
-        num_partitions = int(site["num-partitions"])  # type: ignore[arg-type]
-    except (KeyError, TypeError, ValueError) as error:
-        raise ContributionError(f"{source}: malformed site facts in its reply ({error})") from None
-    if num_examples <= 0 or sum(counts) != num_examples or len(counts) != spec.num_classes:
-        raise ContributionError(
-            f"{source}: inconsistent counts ({num_examples} examples, class counts {counts})"
-        )
+    num_examples, counts = validate_site_facts(
+        metrics.get("num-examples"), site.get("class-counts"), spec.num_classes, source=source
+    )
+    partition_id, num_partitions = validate_partition(
+        site.get("partition-id"), site.get("num-partitions"), source=source
+    )
     grams = None
     if GRAMS_KEY in content.array_records:
-        grams = _decode_grams(model, unpack_tensors(content.array_records[GRAMS_KEY]), source)
+        raw = _tensors(content, GRAMS_KEY, source)
+        try:
+            levels = {int(key): value for key, value in raw.items()}
+        except ValueError:
+            raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
+        grams = validate_grams(model, levels, source=source)
+    train_loss = metrics.get("train-loss", float("nan"))
     return ClientUpload(
         model=model,
         scores=scores,
@@ -87,33 +93,27 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         class_counts=counts,
         partition_id=partition_id,
         num_partitions=num_partitions,
-        score_method=str(site.get("score-method", "")),
-        init=str(site.get("init", "")),
+        score_method=str(site.get("score-method", ""))[:64],
+        init=str(site.get("init", ""))[:64],
         grams=grams,
-        train_loss=float(metrics.get("train-loss", float("nan"))),
+        train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
     )
 
 
-def _decode_grams(
-    model: LeveledModel, tensors: dict[str, torch.Tensor], source: str
-) -> dict[int, torch.Tensor]:
-    """Validate a site's level Gram matrices: one square, finite matrix per neuron level."""
+def _spec(site: ConfigRecord, source: str) -> ModelSpec:
+    """The model spec a client declared, parsed defensively (forged specs are common input)."""
     try:
-        grams = {int(key): value.double() for key, value in tensors.items()}
-    except ValueError:
-        raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(tensors)}") from None
-    if sorted(grams) != model.neuron_levels:
-        raise ContributionError(
-            f"{source}: Gram matrices for levels {sorted(grams)}, expected {model.neuron_levels}"
-        )
-    for level, gram in grams.items():
-        view = affine_view(model.levels[level])
-        size = view.fan_in if view is not None else None
-        if gram.dim() != 2 or gram.shape[0] != gram.shape[1] or (size and gram.shape[0] != size):
-            raise ContributionError(
-                f"{source}: Gram matrix of level {level} has shape {tuple(gram.shape)}, "
-                f"expected ({size}, {size})"
-            )
-        if not torch.isfinite(gram).all():
-            raise ContributionError(f"{source}: Gram matrix of level {level} has NaN/Inf values")
-    return grams
+        return ModelSpec.from_dict(json.loads(str(site["model-spec"])))
+    except KeyError:
+        raise ContributionError(f"{source}: its site record has no model-spec") from None
+    except (ValueError, TypeError, OverflowError) as error:
+        raise ContributionError(f"{source}: unusable model spec ({error})"[:300]) from None
+    except RecursionError:
+        raise ContributionError(f"{source}: model spec is nested too deeply") from None
+
+
+def _tensors(content: Any, key: str, source: str) -> dict[str, Any]:
+    try:
+        return unpack_tensors(content.array_records[key])
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ContributionError(f"{source}: unreadable {key!r} arrays ({error})") from None

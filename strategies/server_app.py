@@ -1,10 +1,16 @@
 """The one-shot fusion ``ServerApp``: collect uploads once, fuse, evaluate, report.
 
-Writes ``<output-dir>/<run>/results.json`` (status ``ok`` or ``failed`` with the error), the fused
-model(s) and every client's model as safetensors checkpoints, and points ``<output-dir>/latest``
-at the run. ``strategy`` may list several methods (``"kf-linear,otfusion"``): all fuse the same
-uploads, and the first one's model is ``fused.safetensors``. ``flwr run`` exits 0 even when a run
-fails, so check ``status`` (``fedfuse simulate`` does, and exits non-zero).
+A run writes, under ``<output-dir>/<run>/``:
+
+* ``clients/client_<id>.safetensors``: each site's upload (weights, scores, counts, Grams),
+  written the moment it arrives, so ``fedfuse fuse <run dir>`` can fuse it again later;
+* ``results.json``: ``status`` (``running``, ``ok``, ``partial`` when some methods failed, or
+  ``failed`` with the error), the sites, the rejected uploads, per method its options, time,
+  details or error, the accuracy table and the time of each phase; rewritten after each phase;
+* ``fused.safetensors`` (the first method that succeeded) and ``fused-<method>.safetensors``.
+
+``<output-dir>/latest`` points at the newest run. ``flwr run`` exits 0 even when a run fails,
+so check ``status`` (``fedfuse simulate`` does, and exits non-zero).
 """
 
 from __future__ import annotations
@@ -22,14 +28,14 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedfuse import __version__
 from fedfuse.checkpoint import save_checkpoint
-from fedfuse.clients.site import ClientUpload
-from fedfuse.data import ImageDataset
-from fedfuse.fusion import make_fusion_methods
+from fedfuse.data import DatasetNotFoundError, ImageDataset
+from fedfuse.fusion import FusionMethod, make_fusion_methods
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.report import evaluate_fusion, format_accuracy_table, format_level_summary, write_json
 from fedfuse.runtime import configure_logging, limit_threads, seed_everything
 from fedfuse.scenario import RunSettings, Scenario, initial_seed
+from fedfuse.uploads import StoredUpload, UploadStore
 
 from .one_shot import OneShotFusion
 
@@ -38,11 +44,18 @@ log = logging.getLogger(__name__)
 app = ServerApp()
 
 
-def _run_directory(settings: RunSettings, run_id: int) -> Path:
-    root = Path(settings.output_dir).expanduser().resolve()
+def build_methods(settings: RunSettings) -> list[FusionMethod]:
+    """The run's fusion methods; the run's ``device`` reaches every method that takes one."""
+    return make_fusion_methods(
+        settings.strategy, settings.fusion_options, defaults={"device": settings.device}
+    )
+
+
+def _run_directory(root: Path, label: str, run_id: int) -> Path:
+    """A new directory for this run under ``root``; ``root/latest`` points at it."""
+    root = root.expanduser().resolve()
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    methods = settings.strategy.replace(",", "+").replace(" ", "")
-    directory = root / f"{stamp}-{methods}-run{run_id}"
+    directory = root / f"{stamp}-{label}-run{run_id}"
     directory.mkdir(parents=True, exist_ok=False)
     latest = root / "latest"
     tmp_link = root / f".latest-{run_id}"
@@ -52,91 +65,137 @@ def _run_directory(settings: RunSettings, run_id: int) -> Path:
     return directory
 
 
-def _upload_summary(upload: ClientUpload) -> dict[str, Any]:
-    return {
-        "partition_id": upload.partition_id,
-        "num_examples": upload.num_examples,
-        "class_counts": upload.class_counts,
-        "train_loss": upload.train_loss,
-        "score_method": upload.score_method,
-        "init": upload.init,
-    }
+def _available_inputs(settings: RunSettings, scenario: Scenario) -> set[str]:
+    """The FusionInputs fields this run can provide (for the check before training)."""
+    available = {"scores", "sample_counts", "class_counts", "grams"}
+    if settings.fusion_data:
+        available |= {"data", "labels"}
+    else:
+        try:
+            scenario.train_set  # noqa: B018 - the server samples its fusion set from it
+            available |= {"data", "labels"}
+        except (DatasetNotFoundError, FileNotFoundError):
+            log.warning(
+                "no %s training data on the server and no fusion-data file: methods that "
+                "need a fusion set cannot run",
+                settings.dataset,
+            )
+    return available
 
 
-def run_one_shot(grid: Grid, settings: RunSettings, report: dict[str, Any], out: Path) -> None:
-    """Collect the uploads, fuse them and evaluate; fills ``report`` as it goes."""
-    methods = make_fusion_methods(settings.strategy, settings.fusion_options)
-    scenario_cache: dict[int, Scenario] = {}
+class OneShotRun:
+    """One run of the app: its settings, output directory and report, phase by phase."""
 
-    def scenario_for(num_partitions: int) -> Scenario:
-        if num_partitions not in scenario_cache:
-            scenario_cache[num_partitions] = Scenario(settings, num_partitions)
-        return scenario_cache[num_partitions]
+    def __init__(self, settings: RunSettings, methods: list[FusionMethod], out: Path) -> None:
+        self.settings = settings
+        self.methods = methods
+        self.out = out
+        self.report: dict[str, Any] = {}
+        self.phases: dict[str, float] = {}
+        self.scenarios: dict[int, Scenario] = {}
 
-    def fusion_set(uploads: list[ClientUpload]) -> ImageDataset:
-        sizes = {u.num_partitions for u in uploads}
-        if len(sizes) != 1:
-            raise ValueError(f"clients disagree on num-partitions: {sorted(sizes)}")
-        return scenario_for(sizes.pop()).fusion_set()
+    def scenario(self, num_partitions: int) -> Scenario:
+        if num_partitions not in self.scenarios:
+            known = next(iter(self.scenarios.values()), None)
+            self.scenarios[num_partitions] = (
+                known.with_clients(num_partitions)
+                if known is not None
+                else Scenario(self.settings, num_partitions)
+            )
+        return self.scenarios[num_partitions]
 
-    # The server's view of the data fixes the architecture every upload must have.
-    spec = Scenario(settings, settings.min_nodes).model_spec()
-    initial = (
-        ArrayRecord(build_model(spec, seed=initial_seed(settings)).state_dict())
-        if settings.init == "shared"
-        else ArrayRecord()
-    )
-    strategy = OneShotFusion(
-        methods,
-        expected_spec=spec,
-        fusion_set=fusion_set,
-        min_nodes=settings.min_nodes,
-        node_wait_timeout=settings.node_wait_timeout,
-    )
-    try:
-        strategy.start(grid, initial, num_rounds=1, timeout=settings.reply_timeout)
-    finally:
-        report["clients"] = [_upload_summary(u) for u in strategy.uploads]
-        report["rejected"] = strategy.problems
-    fused = {name: result.model for name, result in strategy.results.items()}
-    report["fusions"] = {
-        method.name: {
-            "options": method.options(),
-            "seconds": strategy.results[method.name].seconds,
-            "details": strategy.results[method.name].details,
-        }
-        for method in methods
-    }
-    num_partitions = strategy.uploads[0].num_partitions
-    test_set = scenario_for(num_partitions).test_set
-    evaluation = evaluate_fusion(
-        [u.model for u in strategy.uploads], fused, test_set, device=settings.device
-    )
-    report["accuracy"] = evaluation
-    report["class_counts"] = [u.class_counts for u in strategy.uploads]
-    plot_class_counts(np.asarray(report["class_counts"]), out / "class_counts.png")
-    meta = {"init": settings.init, "settings": settings.to_config(), "clients": report["clients"]}
-    for index, (name, result) in enumerate(strategy.results.items()):
-        path = out / ("fused.safetensors" if index == 0 else f"fused-{name}.safetensors")
-        save_checkpoint(
-            path,
-            result.model,
-            metadata={**meta, "strategy": name, "fusion_seconds": result.seconds},
+    def fusion_set(self, num_partitions: int) -> ImageDataset:
+        if num_partitions == 0 and not self.settings.fusion_data:
+            raise ValueError(
+                "the sites train on their own data files (num-partitions 0), so the server's "
+                "fusion set must be given as a file: run config fusion-data='<file.npz>'"
+            )
+        return self.scenario(num_partitions).fusion_set()
+
+    def save(self) -> None:
+        self.report["phases"] = self.phases
+        write_json(self.out / "results.json", self.report)
+
+    def run(self, grid: Grid) -> None:
+        """Collect the uploads, fuse them and evaluate; ``report`` is saved after each phase."""
+        settings = self.settings
+        started = time.monotonic()
+        scenario = self.scenario(settings.min_nodes)
+        spec = scenario.model_spec()
+        available = _available_inputs(settings, scenario)
+        self.phases["prepare"] = time.monotonic() - started
+        initial = (
+            ArrayRecord(build_model(spec, seed=initial_seed(settings)).state_dict())
+            if settings.init == "shared"
+            else ArrayRecord()
         )
-        report["fusions"][name]["checkpoint"] = str(path)
-        log.info("%s per level:\n%s", name, format_level_summary(result))
-    for upload in strategy.uploads:
-        save_checkpoint(
-            out / "clients" / f"client_{upload.partition_id}.safetensors",
-            upload.model,
-            scores=upload.scores,
-            metadata={**meta, **_upload_summary(upload)},
+        store = UploadStore(self.out / "clients", expected_spec=spec)
+        self.report["clients"] = []
+        self.report["rejected"] = []
+
+        def on_upload(entry: StoredUpload) -> None:
+            self.report["clients"].append(entry.facts)
+
+        strategy = OneShotFusion(
+            self.methods,
+            store=store,
+            fusion_set=self.fusion_set,
+            min_nodes=settings.min_nodes,
+            node_wait_timeout=settings.node_wait_timeout,
+            available_inputs=available,
+            on_upload=on_upload,
         )
-    log.info(
-        "results of one-shot fusion (init=%s):\n%s",
-        settings.init,
-        format_accuracy_table(evaluation),
-    )
+        try:
+            strategy.start(grid, initial, num_rounds=1, timeout=settings.reply_timeout)
+        finally:
+            self.report["clients"] = [e.facts for e in store.entries]
+            self.report["rejected"] = strategy.problems
+            self.report["fusions"] = self._fusions(strategy)
+            self.phases.update(strategy.timings)
+            self.save()
+
+        started = time.monotonic()
+        entries = store.entries
+        test_set = self.scenario(strategy.num_partitions).test_set
+        fused = {name: result.model for name, result in strategy.results.items()}
+        self.report["accuracy"] = evaluate_fusion(
+            store.models(), fused, test_set, device=settings.device, progress=True
+        )
+        self.phases["evaluate"] = time.monotonic() - started
+        self.report["class_counts"] = [e.class_counts for e in entries]
+        plot_class_counts(np.asarray(self.report["class_counts"]), self.out / "class_counts.png")
+        meta = {"init": settings.init, "settings": settings.to_config()}
+        for index, (name, result) in enumerate(strategy.results.items()):
+            path = self.out / ("fused.safetensors" if index == 0 else f"fused-{name}.safetensors")
+            save_checkpoint(
+                path,
+                result.model,
+                metadata={**meta, "strategy": name, "fusion_seconds": result.seconds},
+            )
+            self.report["fusions"][name]["checkpoint"] = str(path)
+            log.info("%s per level:\n%s", name, format_level_summary(result))
+        log.info(
+            "results of one-shot fusion (init=%s):\n%s",
+            settings.init,
+            format_accuracy_table(self.report["accuracy"]),
+        )
+        for name, failure in strategy.failures.items():
+            log.error("fusion method %s failed: %s", name, failure.error)
+
+    def _fusions(self, strategy: OneShotFusion) -> dict[str, Any]:
+        fusions: dict[str, Any] = {}
+        for method in self.methods:
+            entry: dict[str, Any] = {"options": method.options()}
+            if method.name in strategy.results:
+                result = strategy.results[method.name]
+                entry.update(status="ok", seconds=result.seconds, details=result.details)
+            elif method.name in strategy.failures:
+                failure = strategy.failures[method.name]
+                entry.update(status="failed", seconds=failure.seconds, error=failure.error)
+            else:
+                entry.update(status="not run")
+            fusions[method.name] = entry
+        return fusions
 
 
 @app.main()
@@ -144,34 +203,63 @@ def main(grid: Grid, context: Context) -> None:
     """Entry point of ``flwr run``: one-shot fusion with the run config's strategy."""
     started = time.monotonic()
     configure_logging()
-    settings = RunSettings.from_config(context.run_config)
-    limit_threads(max(settings.threads, 1))
-    seed_everything(settings.seed)
-    out = _run_directory(settings, grid.run.run_id)
     report: dict[str, Any] = {
         "status": "running",
         "fedfuse_version": __version__,
         "started_at": datetime.now(UTC).isoformat(),
         "run_id": grid.run.run_id,
-        "strategy": settings.strategy,
-        "fusion_options": settings.fusion_options,
-        "init": settings.init,
-        "settings": settings.to_config(),
     }
-    log.info("fedfuse one-shot run %s: writing to %s", grid.run.run_id, out)
+    # Settings and methods are checked before the run directory is named after them.
     try:
-        run_one_shot(grid, settings, report, out)
+        settings = RunSettings.from_config(context.run_config)
+        methods = build_methods(settings)
+        root, label = Path(settings.output_dir), "+".join(m.name for m in methods)
     except Exception as error:
-        report.update(
-            status="failed",
-            error=f"{type(error).__name__}: {error}",
-            traceback=traceback.format_exc(),
-        )
-        log.error("one-shot fusion failed: %s", error)
+        root, label = Path(str(context.run_config.get("output-dir", "outputs"))), "invalid-config"
+        out = _run_directory(root, label, grid.run.run_id)
+        _fail(report, error, out, started)
         raise
+    limit_threads(max(settings.threads, 1))
+    seed_everything(settings.seed)
+    out = _run_directory(root, label, grid.run.run_id)
+    report.update(
+        strategy=settings.strategy,
+        fusion_options=settings.fusion_options,
+        init=settings.init,
+        settings=settings.to_config(),
+    )
+    log.info("fedfuse one-shot run %s: writing to %s", grid.run.run_id, out)
+    run = OneShotRun(settings, methods, out)
+    run.report = report
+    try:
+        run.run(grid)
+    except Exception as error:
+        _fail(report, error, out, started, run)
+        raise
+    failed = [name for name, f in report["fusions"].items() if f["status"] != "ok"]
+    report["status"] = "partial" if failed else "ok"
+    if failed:
+        report["error"] = "; ".join(f"{n}: {report['fusions'][n].get('error')}" for n in failed)
+    report["wall_seconds"] = time.monotonic() - started
+    run.save()
+    log.info("results written to %s", out / "results.json")
+
+
+def _fail(
+    report: dict[str, Any],
+    error: Exception,
+    out: Path,
+    started: float,
+    run: OneShotRun | None = None,
+) -> None:
+    report.update(
+        status="failed",
+        error=f"{type(error).__name__}: {error}",
+        traceback=traceback.format_exc(),
+        wall_seconds=time.monotonic() - started,
+    )
+    log.error("one-shot fusion failed: %s", error)
+    if run is not None:
+        run.save()
     else:
-        report["status"] = "ok"
-    finally:
-        report["wall_seconds"] = time.monotonic() - started
         write_json(out / "results.json", report)
-        log.info("results written to %s", out / "results.json")

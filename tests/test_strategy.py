@@ -13,6 +13,7 @@ from fedfuse.fusion import make_fusion_method
 from fedfuse.scenario import RunSettings
 from fedfuse.strategies.one_shot import FusionAborted, OneShotFusion, wait_for_nodes
 from fedfuse.strategies.replies import decode_reply
+from fedfuse.uploads import UploadStore
 from fedfuse.validation import ContributionError
 
 SETTINGS = RunSettings(
@@ -79,22 +80,23 @@ def test_missing_scores_wrong_architecture_and_client_errors(uploads):
         decode_reply(failed, None, require_scores=True)
 
 
-def _strategy(min_nodes=2):
+def _strategy(directory, min_nodes=2, methods=("fedavg",)):
     return OneShotFusion(
-        [make_fusion_method("fedavg")],
+        [make_fusion_method(name) for name in methods],
+        store=UploadStore(directory),
         min_nodes=min_nodes,
         node_wait_timeout=0.2,
         fusion_set=None,
     )
 
 
-def test_one_shot_fusion_fuses_valid_uploads(uploads):
-    strategy = _strategy()
+def test_one_shot_fusion_fuses_valid_uploads(uploads, tmp_path):
+    strategy = _strategy(tmp_path)
     strategy._sent = [3, 8]
     arrays, metrics = strategy.aggregate_train(
         1, [_reply(pack_upload(uploads[1]), 8), _reply(pack_upload(uploads[0]), 3)]
     )
-    assert [u.partition_id for u in strategy.uploads] == [0, 1]
+    assert [e.partition_id for e in strategy.store.entries] == [0, 1]
     fused = arrays.to_torch_state_dict()
     total = sum(u.num_examples for u in uploads)
     expected = sum(
@@ -104,8 +106,8 @@ def test_one_shot_fusion_fuses_valid_uploads(uploads):
     assert metrics["num-uploads"] == 2 and strategy.problems == []
 
 
-def test_silent_and_bad_clients_abort_with_every_problem_named(uploads):
-    strategy = _strategy()
+def test_silent_and_bad_clients_abort_with_every_problem_named(uploads, tmp_path):
+    strategy = _strategy(tmp_path)
     strategy._sent = [3, 8, 9]
     bad = pack_upload(uploads[1])
     state = bad.array_records[WEIGHTS_KEY].to_torch_state_dict()
@@ -129,9 +131,9 @@ class _Grid:
         return list(self.nodes)
 
 
-def test_waiting_for_nodes_times_out_with_counts():
+def test_waiting_for_nodes_times_out_with_counts(tmp_path):
     assert wait_for_nodes(_Grid([5, 2]), 2, timeout=0.1) == [2, 5]
     with pytest.raises(TimeoutError, match="only 1 of the 2 required SuperNodes"):
         wait_for_nodes(_Grid([5]), 2, timeout=0.1)
-    messages = _strategy().configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([4, 1]))
+    messages = _strategy(tmp_path).configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([4, 1]))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 4]

@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..importance import Scores
-from ..models import LeveledModel, ModelSpec
+from ..models import LeveledModel, ModelSpec, build_model
+from .alignment import affine_levels
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ class FusionMethod(ABC):
     retargetable: ClassVar[bool] = False
     #: what the method is, for labels in result tables ("fusion", or e.g. a reference point)
     kind: ClassVar[str] = "fusion"
+    #: the most base models the method can fuse (None: any number)
+    max_models: ClassVar[int | None] = None
+    #: whether every level with neurons must be affine (parameter-free ops, then one Linear or
+    #: Conv2d), as closed-form refits and Gram-based merges need
+    needs_affine_levels: ClassVar[bool] = False
 
     def fuse(
         self,
@@ -80,6 +86,7 @@ class FusionMethod(ABC):
     ) -> FusionResult:
         """Fuse ``models`` into one model of spec ``target`` (default: the first model's)."""
         inputs = inputs or FusionInputs()
+        models = list(models)  # a lazy sequence (fedfuse.uploads) loads each model once here
         self._check(models, inputs)
         target = target or models[0].spec
         if target != models[0].spec and not self.retargetable:
@@ -99,15 +106,46 @@ class FusionMethod(ABC):
     ) -> tuple[LeveledModel, dict[str, Any]]:
         """Produce the fused model and a details dict; inputs are already validated."""
 
+    def check_run(
+        self,
+        num_models: int,
+        spec: ModelSpec | None = None,
+        available: Iterable[str] | None = None,
+    ) -> None:
+        """Raise ValueError, naming the method, unless it can fuse this run's models.
+
+        Meant to be called before any site trains: ``num_models`` sites of architecture
+        ``spec`` (None: not known yet), with the :class:`FusionInputs` fields ``available``
+        (None: all of them). Cheap: the spec is built on the meta device.
+        """
+        if num_models < 2:
+            raise ValueError(f"{self.name}: fusion needs at least 2 models, got {num_models}")
+        if self.max_models is not None and num_models > self.max_models:
+            raise ValueError(
+                f"{self.name} fuses at most {self.max_models} models, got {num_models}; "
+                "for more, use kf-linear, otfusion, fedma, regmean or fedavg"
+            )
+        if available is not None:
+            lacking = sorted(set(self.requires) - set(available))
+            if lacking:
+                raise ValueError(
+                    f"{self.name}: needs {', '.join(_INPUT_NEEDS.get(n, n) for n in lacking)}, "
+                    "which this run does not provide"
+                )
+        if spec is not None and self.needs_affine_levels:
+            try:
+                affine_levels(build_model(spec, device="meta"))
+            except ValueError as error:
+                raise ValueError(f"{self.name}: cannot fuse {spec.arch} models: {error}") from None
+
     def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
-        if len(models) < 2:
-            raise ValueError(f"{self.name}: fusion needs at least 2 models, got {len(models)}")
         for index, model in enumerate(models):
             if not isinstance(model, LeveledModel):
                 raise TypeError(
                     f"{self.name}: model {index} is a {type(model).__name__}, expected a "
                     "LeveledModel (see fedfuse.models)"
                 )
+        self.check_run(len(models), models[0].spec if models else None)
         if self.same_spec:
             for index, model in enumerate(models[1:], start=1):
                 if model.spec != models[0].spec:
@@ -150,6 +188,16 @@ class FusionMethod(ABC):
             name: getattr(self, name) for name in self.accepted_options() if hasattr(self, name)
         }
 
+
+#: how a missing :class:`FusionInputs` field reads in an error message
+_INPUT_NEEDS = {
+    "data": "a fusion set on the server (run config fusion-data, or a simulated split)",
+    "labels": "labels for the fusion set",
+    "scores": "the sites' importance scores",
+    "sample_counts": "the sites' sample counts",
+    "class_counts": "the sites' class counts",
+    "grams": "the sites' Gram matrices",
+}
 
 FUSION_METHODS: dict[str, type[FusionMethod]] = {}
 
@@ -233,11 +281,14 @@ def make_fusion_method(name: str, **options: Any) -> FusionMethod:
     return cls(**options)
 
 
-def make_fusion_methods(names: str, options: str = "") -> list[FusionMethod]:
+def make_fusion_methods(
+    names: str, options: str = "", *, defaults: dict[str, Any] | None = None
+) -> list[FusionMethod]:
     """Several methods from ``"kf-linear,otfusion"`` and options ``"ridge=0.1 otfusion.reg=0.05"``.
 
     An unprefixed option goes to every listed method that accepts it (it is an error if none
-    does); ``method.key=value`` goes to that method only.
+    does); ``method.key=value`` goes to that method only. ``defaults`` (e.g. the run's
+    ``device``) go to every method that accepts them, unless an option sets them.
     """
     listed = [n.strip() for n in names.split(",") if n.strip()]
     if not listed:
@@ -260,6 +311,8 @@ def make_fusion_methods(names: str, options: str = "") -> list[FusionMethod]:
     methods = []
     for name in listed:
         accepted = FUSION_METHODS[name].accepted_options() if name in FUSION_METHODS else []
-        applicable = {k: v for k, v in shared.items() if k in accepted}
-        methods.append(make_fusion_method(name, **applicable, **specific[name]))
+        applicable = {k: v for k, v in (defaults or {}).items() if k in accepted}
+        applicable.update({k: v for k, v in shared.items() if k in accepted})
+        applicable.update(specific[name])
+        methods.append(make_fusion_method(name, **applicable))
     return methods

@@ -335,6 +335,7 @@ class FedMAMatching(FusionMethod):
     """
 
     name = "fedma"
+    needs_affine_levels = True
     same_spec = False  # clients may differ in width; everything else must agree
     retargetable = True  # the global widths come out of the matching
 

@@ -405,6 +405,7 @@ class FSMerge(FusionMethod):
     """
 
     name = "fs-merge"
+    needs_affine_levels = True
     requires = frozenset({"data"})
 
     def __init__(

@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -153,6 +152,8 @@ class GitReBasin(FusionMethod):
 
     name = "git-rebasin"
     requires = frozenset({"data"})
+    max_models = 2  # activation matching is pairwise
+    needs_affine_levels = True
 
     def __init__(
         self,
@@ -175,14 +176,6 @@ class GitReBasin(FusionMethod):
         self.repair = repair
         self.device = device
         self.batch_size_capture = batch_size_capture
-
-    def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
-        if len(models) != 2:
-            raise ValueError(
-                f"{self.name}: activation matching is pairwise and fuses exactly 2 models, got "
-                f"{len(models)}; use otfusion (or k-means fusion) for more"
-            )
-        super()._check(models, inputs)
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec

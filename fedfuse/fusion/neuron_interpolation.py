@@ -631,6 +631,8 @@ def _variant(name: str, grouping: str, approximation: str) -> type[NeuronInterpo
         {
             "name": name,
             "fixed": {"grouping": grouping, "approximation": approximation},
+            "max_models": 2 if grouping == "hungarian" else None,  # one-to-one matching (Sec. 4)
+            "needs_affine_levels": approximation == "linear",
             "__init__": __init__,
             "__doc__": doc,
         },

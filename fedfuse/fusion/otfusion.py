@@ -276,6 +276,7 @@ class OTFusion(FusionMethod):
     """
 
     name = "otfusion"
+    needs_affine_levels = True
 
     def __init__(
         self,

@@ -121,6 +121,7 @@ class RegMean(FusionMethod):
 
     name = "regmean"
     requires = frozenset({"grams"})
+    needs_affine_levels = True
 
     def __init__(self, alpha: float = 0.9, jitter: float = 1e-9) -> None:
         if not 0.0 <= alpha <= 1.0:
@@ -131,9 +132,8 @@ class RegMean(FusionMethod):
         self.jitter = float(jitter)
 
     def _gram(
-        self, inputs: FusionInputs, client: int, level: int, name: str, size: int
+        self, grams: dict[int, torch.Tensor], client: int, level: int, name: str, size: int
     ) -> torch.Tensor:
-        grams = inputs.grams[client]  # type: ignore[index]
         if level not in grams:
             raise ValueError(
                 f"{self.name}: FusionInputs.grams[{client}] has no Gram for level {name} "
@@ -151,27 +151,37 @@ class RegMean(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        views = [affine_levels(m) for m in models]
         fused = build_model(target)
         fused.load_state_dict(models[0].state_dict())  # parameter-free state, if any
         fused_views = affine_levels(fused)
-        ridges: dict[str, float] = {}
-        for level, fused_view in fused_views.items():
-            name = models[0].level_name(level)
-            size = fused_view.fan_in
-            total = torch.zeros(size, size, dtype=torch.float64)
-            rhs = torch.zeros(size, fused_view.layer.weight.shape[0], dtype=torch.float64)
-            mean = torch.zeros_like(rhs)
-            for client, client_views in enumerate(views):
-                gram = self._gram(inputs, client, level, name, size)
+        names = {level: models[0].level_name(level) for level in fused_views}
+        # Stream over the clients: one client's Grams in memory at a time (they may be
+        # memory-mapped files of a thousand sites), the per-level sums accumulated.
+        totals, rhs, means = {}, {}, {}
+        for level, view in fused_views.items():
+            size, out = view.fan_in, view.layer.weight.shape[0]
+            totals[level] = torch.zeros(size, size, dtype=torch.float64)
+            rhs[level] = torch.zeros(size, out, dtype=torch.float64)
+            means[level] = torch.zeros(size, out, dtype=torch.float64)
+        assert inputs.grams is not None
+        for client, (model, grams) in enumerate(zip(models, inputs.grams, strict=True)):
+            client_views = affine_levels(model)
+            for level, view in fused_views.items():
+                gram = self._gram(grams, client, level, names[level], view.fan_in)
                 shrunk = self.alpha * gram
                 shrunk.diagonal().add_((1.0 - self.alpha) * gram.diagonal())
                 weights = client_views[level].weights().double().cpu()
-                total += shrunk
-                rhs += shrunk @ weights
-                mean += weights / len(models)
-            merged, relative = _solve_regularised(total, rhs, mean, self.jitter, name)
-            fused_view.set_weights(merged)
+                totals[level] += shrunk
+                rhs[level] += shrunk @ weights
+                means[level] += weights / len(models)
+            del grams
+        ridges: dict[str, float] = {}
+        for level, view in fused_views.items():
+            name = names[level]
+            merged, relative = _solve_regularised(
+                totals[level], rhs[level], means[level], self.jitter, name
+            )
+            view.set_weights(merged)
             ridges[name] = relative
             log.debug("regmean level %s: ridge %.1e (relative)", name, relative)
         return fused, {"alpha": self.alpha, "ridge": ridges}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -18,19 +19,33 @@ ARCHITECTURES: dict[str, Callable[[ModelSpec], LeveledModel]] = {
 }
 
 
-def build_model(spec: ModelSpec, *, seed: int | None = None) -> LeveledModel:
-    """A freshly initialised model of ``spec``; ``seed`` makes the initialisation repeatable."""
+def build_model(
+    spec: ModelSpec, *, seed: int | None = None, device: str | torch.device | None = None
+) -> LeveledModel:
+    """A freshly initialised model of ``spec``; ``seed`` makes the initialisation repeatable.
+
+    ``device="meta"`` builds the structure without allocating any parameter memory: the way to
+    learn a spec's tensor shapes before trusting it (a hostile spec may claim any width).
+    """
     try:
         builder = ARCHITECTURES[spec.arch]
     except KeyError:
         raise ValueError(
             f"unknown architecture {spec.arch!r}; known: {sorted(ARCHITECTURES)}"
         ) from None
-    if seed is None:
-        return builder(spec)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return builder(spec)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        if seed is None:
+            return builder(spec)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return builder(spec)
+
+
+def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The state-dict tensor shapes of a ``spec`` model, computed without allocating them."""
+    return {
+        name: tuple(t.shape) for name, t in build_model(spec, device="meta").state_dict().items()
+    }
 
 
 def make_spec(
@@ -54,5 +69,6 @@ __all__ = [
     "build_vgg11",
     "make_spec",
     "mlp_spec",
+    "parameter_shapes",
     "vgg11_spec",
 ]

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+#: bounds on a spec read from elsewhere (a file, a client): far above any real model, far below
+#: what would exhaust memory, so a forged spec is refused before anything is built
+MAX_LEVELS = 1024
+MAX_SIZE = 1 << 20
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -64,4 +69,10 @@ class ModelSpec:
             raise ValueError(f"model spec needs positive widths and classes, got {data}")
         if any(d < 1 for d in spec.input_shape):
             raise ValueError(f"model spec needs a positive input shape, got {spec.input_shape}")
+        sizes = (spec.num_classes, *spec.widths, *spec.input_shape)
+        if len(spec.widths) > MAX_LEVELS or max(sizes) > MAX_SIZE:
+            raise ValueError(
+                f"model spec is implausibly large ({len(spec.widths)} widths, largest size "
+                f"{max(sizes)}; limits {MAX_LEVELS} widths and {MAX_SIZE} per size)"
+            )
         return spec
