@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,11 @@ from .fusion import (
     make_fusion_method,
     parse_options,
 )
-from .models import ModelSpec
+from .importance import Scores
+from .models import LeveledModel, ModelSpec
 from .report import format_level_summary
+from .uploads import UploadStore
+from .validation import as_count
 
 log = logging.getLogger(__name__)
 
@@ -181,26 +184,26 @@ def _check_compatible(
 
 def _metadata_counts(
     checkpoints: list[Checkpoint], paths: list[Path], key: str, num_classes: int
-) -> tuple[list[Any] | None, list[Path]]:
+) -> tuple[list[Any] | None, list[str]]:
     """Per checkpoint, ``metadata[key]`` validated (None if any lacks it), and those lacking it."""
     values: list[Any] = []
-    missing: list[Path] = []
+    missing: list[str] = []
     for path, checkpoint in zip(paths, checkpoints, strict=True):
         value = checkpoint.metadata.get(key)
         if value is None:
-            missing.append(path)
+            missing.append(str(path))
             continue
+        source = f"{path}: metadata {key}"
         if key == "num_examples":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{path}: metadata num_examples must be an integer >= 0: {value}")
-        elif (
-            not isinstance(value, list)
-            or len(value) != num_classes
-            or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in value)
-        ):
-            raise ValueError(
-                f"{path}: metadata class_counts must be {num_classes} integers >= 0, got {value}"
-            )
+            value = as_count(value, "num_examples", source)
+            if value < 0:
+                raise ValueError(f"{source} must be >= 0, got {value}")
+        else:
+            if not isinstance(value, list) or len(value) != num_classes:
+                raise ValueError(f"{source} must be {num_classes} integers >= 0, got {value!r:.80}")
+            value = [as_count(c, "class count", source) for c in value]
+            if any(c < 0 for c in value):
+                raise ValueError(f"{source} must be {num_classes} integers >= 0, got {value}")
         values.append(value)
     return (None if missing else values), missing
 
@@ -217,8 +220,95 @@ def check_data_fits(data: ImageDataset, spec: ModelSpec, what: str) -> None:
         )
 
 
-def _names(paths: Sequence[Path]) -> str:
-    return ", ".join(str(p) for p in paths)
+def _names(names: Sequence[str | Path]) -> str:
+    return ", ".join(str(p) for p in names)
+
+
+@dataclass
+class FusionPool:
+    """Base models and what is known of them: from checkpoint files, or a saved run.
+
+    ``models`` may be a lazy sequence (a run's models are memory-mapped one by one); every list
+    is in model order, and ``missing_*`` name the sources that lack a count.
+    """
+
+    models: Sequence[LeveledModel]
+    names: list[str]
+    spec: ModelSpec
+    scores: list[Scores | None]
+    sample_counts: list[int] | None
+    class_counts: list[list[int]] | None
+    missing_sample_counts: list[str] = field(default_factory=list)
+    missing_class_counts: list[str] = field(default_factory=list)
+    grams: Sequence[dict[int, torch.Tensor]] | None = None
+
+
+def fuse_pool(
+    pool: FusionPool,
+    fusion: FusionMethod,
+    *,
+    fusion_data: ImageDataset | None = None,
+    target_widths: tuple[int, ...] | None = None,
+    use_scores: bool = True,
+) -> FusionResult:
+    """Fuse ``pool``'s models with ``fusion``, after checking that it has what the method needs."""
+    method, cls = fusion.name, type(fusion)
+    options = fusion.options()
+    fusion.check_run(len(pool.models), pool.spec)
+    needed = set(cls.requires)
+    if use_scores and _uses_scores(cls, options):
+        needed.add("scores")
+    if options.get("head_weights"):
+        needed.add("class_counts")
+    if fusion_data is not None:
+        check_data_fits(fusion_data, pool.spec, f"fusion data {fusion_data.name!r}")
+    elif "data" in needed:
+        raise ValueError(f"fusion method {method!r} needs fusion data (a fusion set), none given")
+    if "grams" in needed and pool.grams is None:
+        raise ValueError(
+            f"fusion method {method!r} needs every site's Gram matrices, and these models have "
+            "none (the sites upload them only when a listed strategy needs them)"
+        )
+    scores = None
+    if use_scores:
+        lacking = [n for n, s in zip(pool.names, pool.scores, strict=True) if s is None]
+        if not lacking:
+            scores = list(pool.scores)
+        elif "scores" in needed:
+            raise ValueError(
+                f"{method} weights neurons by importance scores, but these models have "
+                f"none: {_names(lacking)}; save them with scores, or fuse with uniform weights "
+                "(option use_scores=false)"
+            )
+    for field_name, missing in (
+        ("sample_counts", pool.missing_sample_counts),
+        ("class_counts", pool.missing_class_counts),
+    ):
+        if field_name in needed and missing:
+            key = "num_examples" if field_name == "sample_counts" else "class_counts"
+            raise ValueError(f"{method} needs each model's {key!r}; missing in {_names(missing)}")
+    inputs = FusionInputs(
+        data=None if fusion_data is None else fusion_data.inputs(),
+        labels=None if fusion_data is None else fusion_data.labels,
+        scores=scores,
+        sample_counts=pool.sample_counts,
+        class_counts=pool.class_counts,
+        grams=pool.grams,
+    )
+    target = None
+    if target_widths is not None:
+        try:
+            target = pool.spec.with_widths(target_widths)
+        except ValueError as error:
+            raise ValueError(f"target widths {tuple(target_widths)}: {error}") from None
+    log.info(
+        "fusing %d models with %s (fusion set: %s samples, scores: %s)",
+        len(pool.models),
+        method,
+        "no" if fusion_data is None else len(fusion_data),
+        "yes" if scores is not None else "no",
+    )
+    return fusion.fuse(pool.models, inputs, target=target)
 
 
 def fuse_checkpoints(
@@ -249,66 +339,71 @@ def fuse_checkpoints(
         ValueError: options, architectures, data or metadata do not fit (named in the message).
     """
     paths = [Path(p) for p in paths]
-    options = dict(options or {})
     if len(paths) < 2:
         raise ValueError(f"fusion needs at least 2 checkpoints, got {len(paths)}")
-    fusion = make_fusion_method(method, **options)
-    cls = type(fusion)
+    fusion = make_fusion_method(method, **dict(options or {}))
     checkpoints = [load_checkpoint(p) for p in paths]
-    _check_compatible(method, cls, checkpoints, paths)
+    _check_compatible(method, type(fusion), checkpoints, paths)
     first = checkpoints[0].model.spec
-
-    needed = set(cls.requires)
-    if use_scores and _uses_scores(cls, options):
-        needed.add("scores")
-    if options.get("head_weights"):
-        needed.add("class_counts")
-
-    if fusion_data is not None:
-        check_data_fits(fusion_data, first, f"fusion data {fusion_data.name!r}")
-    elif "data" in needed:
-        raise ValueError(f"fusion method {method!r} needs fusion data (a fusion set), none given")
-
-    scores = None
-    if use_scores:
-        lacking = [p for p, c in zip(paths, checkpoints, strict=True) if c.scores is None]
-        if not lacking:
-            scores = [c.scores for c in checkpoints]
-        elif "scores" in needed:
-            raise ValueError(
-                f"{method} weights neurons by importance scores, but these checkpoints have "
-                f"none: {_names(lacking)}; save them with scores, or fuse with uniform weights "
-                "(option use_scores=false)"
-            )
-    counts = {}
-    for field, key in (("sample_counts", "num_examples"), ("class_counts", "class_counts")):
-        counts[field], missing = _metadata_counts(checkpoints, paths, key, first.num_classes)
-        if field in needed and missing:
-            raise ValueError(
-                f"{method} needs each checkpoint's {key!r} metadata; missing in {_names(missing)}"
-            )
-    inputs = FusionInputs(
-        data=None if fusion_data is None else fusion_data.inputs(),
-        labels=None if fusion_data is None else fusion_data.labels,
-        scores=scores,
-        sample_counts=counts["sample_counts"],
-        class_counts=counts["class_counts"],
+    sample_counts, missing_samples = _metadata_counts(
+        checkpoints, paths, "num_examples", first.num_classes
     )
-    target = None
-    if target_widths is not None:
-        try:
-            target = first.with_widths(target_widths)
-        except ValueError as error:
-            raise ValueError(f"target widths {tuple(target_widths)}: {error}") from None
-    log.info(
-        "fusing %d checkpoints with %s (fusion set: %s samples, scores: %s)",
-        len(paths),
-        method,
-        "no" if fusion_data is None else len(fusion_data),
-        "yes" if scores is not None else "no",
+    class_counts, missing_classes = _metadata_counts(
+        checkpoints, paths, "class_counts", first.num_classes
     )
-    result = fusion.fuse([c.model for c in checkpoints], inputs, target=target)
+    pool = FusionPool(
+        models=[c.model for c in checkpoints],
+        names=[str(p) for p in paths],
+        spec=first,
+        scores=[c.scores for c in checkpoints],
+        sample_counts=sample_counts,
+        class_counts=class_counts,
+        missing_sample_counts=missing_samples,
+        missing_class_counts=missing_classes,
+    )
+    result = fuse_pool(
+        pool, fusion, fusion_data=fusion_data, target_widths=target_widths, use_scores=use_scores
+    )
     return result, checkpoints
+
+
+def run_pool(run_dir: str | Path) -> tuple[FusionPool, UploadStore, dict[str, Any] | None]:
+    """The uploads a one-shot run saved (``<run dir>/clients``), and its run settings.
+
+    Returns the pool (models memory-mapped on access), the store, and the run config recorded in
+    its ``results.json`` (None when there is none).
+    """
+    run_dir = Path(run_dir)
+    clients = run_dir / "clients" if (run_dir / "clients").is_dir() else run_dir
+    store = UploadStore.open(clients)
+    entries = store.entries
+    settings = None
+    results = run_dir / "results.json"
+    if results.is_file():
+        try:
+            settings = json.loads(results.read_text()).get("settings")
+        except (json.JSONDecodeError, RecursionError, AttributeError):
+            raise ValueError(f"{results}: not a readable results file") from None
+    assert store.expected_spec is not None
+    pool = FusionPool(
+        models=store.models(),
+        names=[str(e.path) for e in entries],
+        spec=store.expected_spec,
+        scores=[e.scores for e in entries],
+        sample_counts=[e.num_examples for e in entries],
+        class_counts=[e.class_counts for e in entries],
+        grams=store.grams(),
+    )
+    return pool, store, settings
+
+
+def run_fusion_set(settings: dict[str, Any], store: UploadStore) -> ImageDataset:
+    """The fusion set the run's server used (same settings and seed), rebuilt."""
+    from .scenario import RunSettings, Scenario
+
+    run = RunSettings.from_config(settings, allow_unknown=True)
+    partitions = {e.num_partitions for e in store.entries}
+    return Scenario(run, max(partitions)).fusion_set()
 
 
 # ---------------------------------------------------------------------------------- reporting
@@ -329,7 +424,12 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
             "model as a checkpoint recording the method, options, sources and per-level details."
         ),
     )
-    parser.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to fuse")
+    parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CKPT",
+        help="checkpoints to fuse, or one run directory (its saved uploads are fused again)",
+    )
     parser.add_argument(
         "--method", default="kf-linear", help=f"fusion method: {', '.join(sorted(FUSION_METHODS))}"
     )
@@ -345,7 +445,11 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         "--target-widths", metavar="W,W,...", help="hidden widths of the fused model"
     )
     parser.add_argument("--test-data", metavar="SPEC", help="evaluate on this data (same syntax)")
-    parser.add_argument("--output", default="fused.safetensors", help="fused checkpoint to write")
+    parser.add_argument(
+        "--output",
+        help="fused checkpoint to write, replaced atomically if it exists (default: "
+        "fused.safetensors, or for a run directory <run>/refused-<method>-<time>.safetensors)",
+    )
     parser.add_argument(
         "--no-scores",
         action="store_true",
@@ -357,52 +461,70 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def fuse_command(args: argparse.Namespace) -> int:
-    """Handler of ``fedfuse fuse``: 0 on success, 2 (with a message on stderr) on bad input."""
-    try:
-        return _fuse_command(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"fedfuse fuse: error: {error}", file=sys.stderr)
-        return 2
-
-
-def _fuse_command(args: argparse.Namespace) -> int:
+    """Handler of ``fedfuse fuse``: fuse checkpoint files, or the uploads of a saved run."""
     # Everything cheap is checked before anything is loaded or fused.
     options = parse_options(args.option)
     if args.progress and "progress" in _accepted(args.method):
         options.setdefault("progress", True)
-    resolved = make_fusion_method(args.method, **options).options()
+    fusion = make_fusion_method(args.method, **options)
     widths = parse_widths(args.target_widths) if args.target_widths else None
     fusion_spec = FusionSetSpec.parse(args.fusion_data) if args.fusion_data else None
     test_spec = FusionSetSpec.parse(args.test_data) if args.test_data else None
-    output = Path(args.output)
+    run_dir = Path(args.checkpoints[0]) if len(args.checkpoints) == 1 else None
+    if run_dir is not None and not run_dir.is_dir():
+        raise ValueError(
+            f"{run_dir}: give a run directory (with clients/client_<id>.safetensors), or two or "
+            "more checkpoint files"
+        )
+    output = Path(args.output) if args.output else _default_output(run_dir, args.method)
     if output.is_dir():
         raise ValueError(f"output {output} is a directory; give a checkpoint file name")
 
-    fusion_data = fusion_spec.load() if fusion_spec else None
-    test_data = test_spec.load() if test_spec else None
-    if test_data is not None:  # fail before fusing when the first checkpoint's spec is readable
-        try:
-            first = ModelSpec.from_dict(read_metadata(args.checkpoints[0]).get("model"))
-        except (ValueError, AttributeError):
-            first = None  # fuse_checkpoints reports the broken file
-        if first is not None:
-            check_data_fits(test_data, first, f"test data {args.test_data!r}")
-    result, checkpoints = fuse_checkpoints(
-        args.checkpoints,
-        args.method,
-        options=options,
-        fusion_data=fusion_data,
-        target_widths=widths,
-        use_scores=not args.no_scores,
-    )
+    if run_dir is not None:
+        pool, store, settings = run_pool(run_dir)
+        sources = [str(e.path) for e in store.entries]
+        fusion_data = fusion_spec.load() if fusion_spec else None
+        if fusion_data is None and settings is not None:  # the run's own fusion set
+            fusion_data = run_fusion_set(settings, store)
+        test_data = test_spec.load() if test_spec else None
+        if test_data is not None:
+            check_data_fits(test_data, pool.spec, f"test data {args.test_data!r}")
+        result = fuse_pool(
+            pool,
+            fusion,
+            fusion_data=fusion_data,
+            target_widths=widths,
+            use_scores=not args.no_scores,
+        )
+        base_models: Sequence[LeveledModel] = pool.models
+    else:
+        fusion_data = fusion_spec.load() if fusion_spec else None
+        test_data = test_spec.load() if test_spec else None
+        if test_data is not None:  # fail before fusing when the first checkpoint's spec is readable
+            try:
+                first = ModelSpec.from_dict(read_metadata(args.checkpoints[0]).get("model"))
+            except (ValueError, AttributeError):
+                first = None  # fuse_checkpoints reports the broken file
+            if first is not None:
+                check_data_fits(test_data, first, f"test data {args.test_data!r}")
+        result, checkpoints = fuse_checkpoints(
+            args.checkpoints,
+            args.method,
+            options=options,
+            fusion_data=fusion_data,
+            target_widths=widths,
+            use_scores=not args.no_scores,
+        )
+        sources = [str(p) for p in args.checkpoints]
+        base_models = [c.model for c in checkpoints]
     if test_data is not None:
         check_data_fits(test_data, result.model.spec, f"test data {args.test_data!r}")
     metadata = {
         "method": args.method,
         "options": _json_safe(options),
-        "resolved_options": _json_safe(resolved),
-        "sources": [str(p) for p in args.checkpoints],
-        "fusion_data": args.fusion_data,
+        "resolved_options": _json_safe(fusion.options()),
+        "sources": sources,
+        "fusion_data": args.fusion_data or ("the run's fusion set" if run_dir else None),
         "fusion_examples": None if fusion_data is None else len(fusion_data),
         "fusion_seconds": result.seconds,
         "details": _json_safe(result.details),
@@ -412,18 +534,25 @@ def _fuse_command(args: argparse.Namespace) -> int:
     except OSError as error:
         raise ValueError(f"cannot write {output}: {error}") from error
     fused = _describe(result.model.spec)
-    print(f"fused {len(checkpoints)} checkpoints with {args.method}: {fused}")
+    print(f"fused {len(sources)} models with {args.method}: {fused}")
     print(format_level_summary(result))
     if test_data is not None:
         from .report import evaluate_fusion, format_accuracy_table
 
         device = str(options.get("device", "auto"))
         evaluation = evaluate_fusion(
-            [c.model for c in checkpoints], {args.method: result.model}, test_data, device=device
+            base_models, {args.method: result.model}, test_data, device=device
         )
         print(format_accuracy_table(evaluation))
     print(f"fused checkpoint: {output}")
     return 0
+
+
+def _default_output(run_dir: Path | None, method: str) -> Path:
+    if run_dir is None:
+        return Path("fused.safetensors")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return run_dir / f"refused-{method}-{stamp}.safetensors"
 
 
 def _accepted(method: str) -> list[str]:

@@ -70,10 +70,33 @@ def _stop_processes(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def check_simulation(app: Path, run_config: str, num_clients: int) -> None:
+    """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
+    listed fusion method must be able to fuse ``num_clients`` sites."""
+    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+
+    from .scenario import RunSettings
+
+    config = get_fused_config_from_dir(app, parse_config_args([run_config]))
+    methods = RunSettings.from_config(config).fusion_methods()
+    problems = []
+    for method in methods:
+        try:
+            method.check_run(num_clients)
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Run the app as a local simulation and report its result file's status."""
     from .report import format_accuracy_table
 
+    if args.num_clients < 2:
+        raise ValueError(f"--num-clients must be at least 2, got {args.num_clients}")
+    if args.gpus_per_client < 0 or args.cpus_per_client < 1:
+        raise ValueError("--cpus-per-client must be >= 1 and --gpus-per-client >= 0")
     app = _find_app(args.app)
     # Flower starts `flower-superlink` by name: put this environment's scripts first on PATH.
     scripts = str(Path(sys.executable).parent)
@@ -90,8 +113,10 @@ def simulate(args: argparse.Namespace) -> int:
     run_config = f"output-dir={json.dumps(str(output_dir))} min-nodes={args.num_clients}"
     if args.run_config:
         run_config += " " + args.run_config
+    check_simulation(app, run_config, args.num_clients)
     federation = (
-        f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client}"
+        f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
+        f"client-resources-num-gpus={args.gpus_per_client}"
     )
     command = [
         flwr,
@@ -128,20 +153,30 @@ def simulate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    if report.get("status") != "ok":
+    status = report.get("status")
+    if status not in ("ok", "partial"):
         print(f"fedfuse simulate: FAILED: {report.get('error', 'unknown error')}", file=sys.stderr)
         print(f"details: {results}", file=sys.stderr)
         return 1
+    fusions = report["fusions"]
     print()
     print(
         f"one-shot fusion with {report['strategy']!r}, init={report['init']!r}, "
         f"{len(report['clients'])} clients, fusion "
-        + ", ".join(f"{name} {f['seconds']:.2f} s" for name, f in report["fusions"].items())
-        + f", "
-        f"run {report['wall_seconds']:.0f} s"
+        + ", ".join(
+            f"{name} {f['seconds']:.2f} s" for name, f in fusions.items() if f["status"] == "ok"
+        )
+        + f", run {report['wall_seconds']:.0f} s"
     )
     print(format_accuracy_table(report["accuracy"]))
+    for problem in report.get("rejected", []):
+        print(f"rejected: {problem}")
     print(f"results: {results.parent.resolve()}")
+    if status == "partial":
+        for name, fusion in fusions.items():
+            if fusion["status"] != "ok":
+                print(f"fedfuse simulate: {name} FAILED: {fusion.get('error')}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -185,7 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim = commands.add_parser("simulate", help="run the Flower app as a local simulation")
     sim.add_argument("--app", help="Flower app directory (default: this checkout)")
     sim.add_argument("--num-clients", type=int, default=2)
-    sim.add_argument("--cpus-per-client", type=int, default=1)
+    sim.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per site")
+    sim.add_argument(
+        "--gpus-per-client",
+        type=float,
+        default=0.0,
+        help="GPU share per site (e.g. 0.25: four sites per GPU); needs CUDA and device=auto/cuda",
+    )
     sim.add_argument("--output-dir", default="outputs")
     sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')
     sim.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
@@ -210,10 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path")
     insp.set_defaults(handler=inspect_checkpoint)
 
-    from . import checkpoint_fusion
+    from . import checkpoint_fusion, deployment
     from .experiments import bench, speed
 
     checkpoint_fusion.register_cli(commands)
+    deployment.register_cli(commands)
     bench.register_cli(commands)
     speed.register_cli(commands)
     return parser
@@ -226,9 +268,22 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.handler(args))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"fedfuse {args.command}: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"fedfuse {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # every failure ends in one line; -v shows the traceback
+        if args.verbose:
+            log.exception("fedfuse %s failed", args.command)
+        print(f"fedfuse {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message's lines joined, its type named when unclear."""
+    text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if not text or not isinstance(error, ValueError | OSError):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text[:2000]
 
 
 if __name__ == "__main__":

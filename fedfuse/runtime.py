@@ -22,6 +22,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return resolved
 
 
+def check_device(device: object) -> str:
+    """``device`` if it names a device (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...), else a
+    ValueError saying what is accepted; whether CUDA is present is checked when it is used."""
+    if isinstance(device, str) and device == "auto":
+        return device
+    try:
+        torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device {device!r} is not a device; use auto, cpu, cuda or cuda:<index>"
+        ) from None
+    return str(device)
+
+
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch, and return a CPU generator seeded the same way.
 

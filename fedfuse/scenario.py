@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from .data import ImageDataset, load_dataset, load_npz_dataset, resolve_data_root
+from .fusion import FusionMethod, make_fusion_methods
 from .models import ModelSpec, make_spec
 from .partition_cache import PartitionCache
 from .partitions import class_counts, partition_labels, sample_fusion_set
+from .runtime import check_device
 from .training import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ class RunSettings:
     def __post_init__(self) -> None:
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        check_device(self.device)
         if self.fusion_source != "all" and not self.fusion_source.isdigit():
             raise ValueError(
                 f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
@@ -121,6 +124,12 @@ class RunSettings:
             weight_decay=self.weight_decay,
             label_smoothing=self.label_smoothing,
             augment=self.dataset.startswith("cifar"),
+        )
+
+    def fusion_methods(self) -> list[FusionMethod]:
+        """The run's fusion methods; the run's ``device`` reaches every method that takes one."""
+        return make_fusion_methods(
+            self.strategy, self.fusion_options, defaults={"device": self.device}
         )
 
     def model_spec_for(self, data: ImageDataset) -> ModelSpec:

@@ -179,12 +179,12 @@ def validate_site_facts(
     The count must be a positive integer up to :data:`MAX_EXAMPLES`; the class counts
     ``num_classes`` non-negative integers summing to it.
     """
-    count = _as_count(num_examples, "num-examples", source)
+    count = as_count(num_examples, "num-examples", source)
     if count < 1:
         raise ContributionError(f"{source}: num-examples must be >= 1, got {count}")
     if isinstance(class_counts, str | bytes) or not isinstance(class_counts, Sequence):
         raise ContributionError(f"{source}: class counts must be a list, got {class_counts!r}")
-    counts = [_as_count(c, "class count", source) for c in class_counts]
+    counts = [as_count(c, "class count", source) for c in class_counts]
     if len(counts) != num_classes:
         raise ContributionError(
             f"{source}: {len(counts)} class counts for a {num_classes}-class model"
@@ -198,7 +198,7 @@ def validate_site_facts(
     return count, counts
 
 
-def _as_count(value: Any, what: str, source: str) -> int:
+def as_count(value: Any, what: str, source: str) -> int:
     """``value`` as an int in ``[-MAX_EXAMPLES, MAX_EXAMPLES]`` (floats only when integral)."""
     if isinstance(value, bool):
         raise ContributionError(f"{source}: {what} must be an integer, got {value!r}")
@@ -218,8 +218,8 @@ def _as_count(value: Any, what: str, source: str) -> int:
 
 def validate_partition(partition_id: Any, num_partitions: Any, *, source: str) -> tuple[int, int]:
     """A site's ``partition-id`` and ``num-partitions`` (0: a deployment) as checked ints."""
-    pid = _as_count(partition_id, "partition-id", source)
-    total = _as_count(num_partitions, "num-partitions", source)
+    pid = as_count(partition_id, "partition-id", source)
+    total = as_count(num_partitions, "num-partitions", source)
     if pid < 0 or total < 0:
         raise ContributionError(
             f"{source}: partition-id {pid} and num-partitions {total} must be >= 0"

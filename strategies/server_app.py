@@ -29,7 +29,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedfuse import __version__
 from fedfuse.checkpoint import save_checkpoint
 from fedfuse.data import DatasetNotFoundError, ImageDataset
-from fedfuse.fusion import FusionMethod, make_fusion_methods
+from fedfuse.fusion import FusionMethod
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.report import evaluate_fusion, format_accuracy_table, format_level_summary, write_json
@@ -42,13 +42,6 @@ from .one_shot import OneShotFusion
 log = logging.getLogger(__name__)
 
 app = ServerApp()
-
-
-def build_methods(settings: RunSettings) -> list[FusionMethod]:
-    """The run's fusion methods; the run's ``device`` reaches every method that takes one."""
-    return make_fusion_methods(
-        settings.strategy, settings.fusion_options, defaults={"device": settings.device}
-    )
 
 
 def _run_directory(root: Path, label: str, run_id: int) -> Path:
@@ -212,7 +205,7 @@ def main(grid: Grid, context: Context) -> None:
     # Settings and methods are checked before the run directory is named after them.
     try:
         settings = RunSettings.from_config(context.run_config)
-        methods = build_methods(settings)
+        methods = settings.fusion_methods()
         root, label = Path(settings.output_dir), "+".join(m.name for m in methods)
     except Exception as error:
         root, label = Path(str(context.run_config.get("output-dir", "outputs"))), "invalid-config"

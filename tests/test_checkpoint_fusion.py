@@ -1,5 +1,3 @@
-import argparse
-
 import pytest
 import torch
 
@@ -10,8 +8,8 @@ from fedfuse.checkpoint_fusion import (
     fuse_checkpoints,
     parse_data_spec,
     parse_options,
-    register_cli,
 )
+from fedfuse.cli import main
 from fedfuse.data import load_dataset, save_npz_dataset
 from fedfuse.importance import importance_scores
 from fedfuse.models import build_model, mlp_spec
@@ -48,10 +46,7 @@ def checkpoints(tmp_path_factory, digits):
 
 
 def run_fuse(argv):
-    parser = argparse.ArgumentParser(prog="fedfuse")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["fuse", *map(str, argv)])
-    return args.handler(args)
+    return main(["fuse", *map(str, argv)])
 
 
 def fuse_args(checkpoints, output, *extra):

@@ -84,5 +84,5 @@ def test_several_methods_share_and_route_options():
         make_fusion_methods("vanilla,fedavg", "ridge=0.1")
     with pytest.raises(ValueError, match="names 'otfusion', which is not in"):
         make_fusion_methods("kf-linear", "otfusion.reg=0.1")
-    with pytest.raises(ValueError, match="must be a int"):
+    with pytest.raises(ValueError, match="must be int"):
         make_fusion_methods("kf-linear", "n_init=many")

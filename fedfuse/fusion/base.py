@@ -11,7 +11,10 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
+import types
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ import torch
 
 from ..importance import Scores
 from ..models import LeveledModel, ModelSpec, build_model
+from ..runtime import check_device
 from .alignment import affine_levels
 
 log = logging.getLogger(__name__)
@@ -235,31 +239,76 @@ def parse_options(assignments: str | Iterable[str]) -> dict[str, Any]:
             options[key] = _LITERALS[raw.strip().lower()]
             continue
         try:
-            options[key] = json.loads(raw)
+            value = json.loads(raw)
         except json.JSONDecodeError:
-            options[key] = raw
+            value = raw
+        except RecursionError:
+            raise ValueError(f"fusion option {key!r}: value is nested too deeply") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"fusion option {key}={raw!r} must be a finite number")
+        options[key] = value
     return options
 
 
-def _check_option_types(name: str, options: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Reject values of another type than the option's default (``n_init="abc"``)."""
+def _option_types(cls: type[FusionMethod]) -> dict[str, Any]:
+    """The type hints of the constructor that defines ``cls``'s options."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            continue
+        try:
+            return typing.get_type_hints(init)
+        except (NameError, TypeError):  # an unresolvable annotation: fall back to defaults
+            return {}
+    return {}
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether ``value`` fits the simple type ``hint`` (unknown hints: the constructor checks)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _describe_hint(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe_hint(arg) for arg in typing.get_args(hint))
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _check_option_types(cls: type[FusionMethod], options: dict[str, Any]) -> None:
+    """Reject values of another type than the option's annotation (``ridge="abc"``), or, for
+    an unannotated option, than its default; and device names that are not devices."""
+    hints = _option_types(cls)
+    defaults = cls.option_defaults()
     for key, value in options.items():
-        default = defaults.get(key, inspect.Parameter.empty)
-        if default is inspect.Parameter.empty or default is None:
-            continue  # no default to compare with: the constructor checks the value
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(default, float):
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, type(default))
-        if not ok:
+        hint = hints.get(key)
+        if hint is None:
+            default = defaults.get(key)
+            hint = type(default) if default is not None else None
+        if hint is not None and not _matches(value, hint):
             raise ValueError(
-                f"fusion method {name!r}: option {key}={value!r} must be a "
-                f"{type(default).__name__} (default {default!r})"
+                f"fusion method {cls.name!r}: option {key}={value!r} must be "
+                f"{_describe_hint(hint)} (default {defaults.get(key)!r})"
             )
+        if key == "device":
+            try:
+                check_device(value)
+            except ValueError as error:
+                raise ValueError(f"fusion method {cls.name!r}: option {error}") from None
 
 
 def make_fusion_method(name: str, **options: Any) -> FusionMethod:
@@ -270,14 +319,13 @@ def make_fusion_method(name: str, **options: Any) -> FusionMethod:
         raise ValueError(
             f"unknown fusion method {name!r}; known: {sorted(FUSION_METHODS)}"
         ) from None
-    defaults = cls.option_defaults()
     accepted = cls.accepted_options()
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(
             f"fusion method {name!r} has no option(s) {unknown}; it accepts {accepted or 'none'}"
         )
-    _check_option_types(name, options, defaults)
+    _check_option_types(cls, options)
     return cls(**options)
 
 
