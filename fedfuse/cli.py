@@ -70,15 +70,15 @@ def _stop_processes(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def check_simulation(app: Path, run_config: str, num_clients: int) -> None:
+def check_simulation(run_config: str, num_clients: int) -> None:
     """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
     listed fusion method must be able to fuse ``num_clients`` sites."""
-    from flwr.common.config import get_fused_config_from_dir, parse_config_args
+    from flwr.common.config import parse_config_args
 
     from .scenario import RunSettings
 
-    config = get_fused_config_from_dir(app, parse_config_args([run_config]))
-    methods = RunSettings.from_config(config).fusion_methods()
+    # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
+    methods = RunSettings.from_config(parse_config_args([run_config])).fusion_methods()
     problems = []
     for method in methods:
         try:
@@ -113,7 +113,7 @@ def simulate(args: argparse.Namespace) -> int:
     run_config = f"output-dir={json.dumps(str(output_dir))} min-nodes={args.num_clients}"
     if args.run_config:
         run_config += " " + args.run_config
-    check_simulation(app, run_config, args.num_clients)
+    check_simulation(run_config, args.num_clients)
     federation = (
         f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
         f"client-resources-num-gpus={args.gpus_per_client}"

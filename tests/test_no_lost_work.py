@@ -1,0 +1,272 @@
+"""No lost work: methods are checked before training, a failing method costs only itself, every
+upload is on disk before fusion, and a saved run can be fused again; the partition cache."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedfuse.cli import main
+from fedfuse.clients.records import pack_upload
+from fedfuse.clients.site import train_site
+from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
+from fedfuse.models import Ensemble, mlp_spec, vgg11_spec
+from fedfuse.partition_cache import PartitionCache
+from fedfuse.report import evaluate_fusion, write_json
+from fedfuse.scenario import RunSettings, Scenario
+from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
+from fedfuse.training import evaluate
+from fedfuse.uploads import UploadStore
+
+SETTINGS = RunSettings(
+    dataset="digits",
+    mlp_widths="16",
+    local_epochs=1,
+    score_samples=32,
+    score_steps=4,
+    device="cpu",
+    fusion_samples=40,
+    strategy="kf-linear,fedavg,regmean",
+)
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch):
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+@pytest.fixture(scope="module")
+def uploads(tmp_path_factory, monkeypatch_module):
+    return [train_site(SETTINGS, pid, 3) for pid in range(3)]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("FEDFUSE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield patch
+    patch.undo()
+
+
+def _reply(content, node):
+    incoming = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    return Message(content=content, reply_to=incoming)
+
+
+# ---------------------------------------------------------------------------- before training
+def test_every_method_states_what_it_can_fuse_before_training():
+    mlp = mlp_spec((1, 28, 28), 10, (32, 32))
+    vgg = vgg11_spec((1, 28, 28), 10, width_multiplier=0.125)
+    for name, cls in FUSION_METHODS.items():
+        method = make_fusion_method(name)
+        for spec in (mlp, vgg):
+            method.check_run(2, spec)  # every method fuses 2 MLPs or 2 VGGs
+        if cls.max_models == 2:
+            with pytest.raises(ValueError, match=f"{name} fuses at most 2 models, got 10"):
+                method.check_run(10, mlp)
+        else:
+            method.check_run(100, mlp)
+        if "data" in cls.requires:
+            with pytest.raises(ValueError, match="a fusion set on the server"):
+                method.check_run(2, mlp, available={"scores", "sample_counts"})
+    assert {n for n, c in FUSION_METHODS.items() if c.max_models == 2} == {
+        "hf-linear",
+        "hf-gradient",
+        "git-rebasin",
+    }
+
+
+def test_the_default_strategy_fuses_any_number_of_sites():
+    methods = RunSettings().fusion_methods()
+    for sites in (2, 3, 10, 100, 1000):
+        check_methods(methods, sites, mlp_spec((1, 28, 28), 10, (512, 512, 512)))
+    with pytest.raises(MethodsUnfit, match="1 of the listed fusion methods.*hf-linear"):
+        check_methods(RunSettings(strategy="kf-linear,hf-linear").fusion_methods(), 3, None)
+
+
+def test_the_run_device_reaches_every_method_that_takes_one():
+    methods = RunSettings(strategy="kf-linear,otfusion,fedavg", device="cpu").fusion_methods()
+    assert methods[0].options()["device"] == "cpu" and methods[1].options()["device"] == "cpu"
+    explicit = RunSettings(
+        strategy="kf-linear", device="cpu", fusion_options="kf-linear.device=auto"
+    )
+    assert explicit.fusion_methods()[0].options()["device"] == "auto"
+    with pytest.raises(ValueError, match="device 'gpu0' is not a device"):
+        RunSettings(device="gpu0")
+
+
+def test_simulate_refuses_an_unfit_method_before_flower_starts(capsys, tmp_path):
+    started = time.monotonic()
+    argv = ["simulate", "--num-clients", "3", "--output-dir", str(tmp_path)]
+    assert main([*argv, "--run-config", "strategy='kf-linear,hf-linear'"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hf-linear fuses at most 2 models, got 3" in err
+    assert main([*argv, "--run-config", "no-such-key=1"]) == 2
+    assert "unknown run config key(s) ['no-such-key']" in capsys.readouterr().err
+    assert time.monotonic() - started < 20  # no SuperLink, no Ray
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- while fusing
+class Exploding(FusionMethod):
+    """A method whose fusion always fails (not registered: tests only)."""
+
+    name = "exploding"
+
+    def _fuse(self, models, inputs, target):
+        raise RuntimeError("out of memory while fusing")
+
+
+def test_a_failing_method_is_recorded_and_the_others_still_fuse(uploads, tmp_path):
+    methods = [Exploding(), make_fusion_method("fedavg"), make_fusion_method("regmean")]
+    strategy = OneShotFusion(methods, store=UploadStore(tmp_path))
+    strategy._sent = [10, 11, 12]
+    arrays, metrics = strategy.aggregate_train(
+        1, [_reply(pack_upload(u), 10 + u.partition_id) for u in uploads]
+    )
+    assert set(strategy.results) == {"fedavg", "regmean"}
+    assert strategy.failures["exploding"].error == "RuntimeError: out of memory while fusing"
+    # the round's arrays are the first method that succeeded
+    fedavg = strategy.results["fedavg"].model.state_dict()
+    assert torch.equal(arrays.to_torch_state_dict()["levels.2.bias"], fedavg["levels.2.bias"])
+    assert metrics["num-uploads"] == 3
+
+    only_failing = OneShotFusion([Exploding()], store=UploadStore(tmp_path / "other"))
+    only_failing._sent = [10, 11]
+    with pytest.raises(FusionAborted, match="every fusion method failed: exploding"):
+        only_failing.aggregate_train(1, [_reply(pack_upload(u), 10) for u in uploads[:2]])
+    # the uploads were written before fusion, so nothing the sites did is lost
+    assert len(UploadStore.open(tmp_path / "other")) == 2
+
+
+# ---------------------------------------------------------------------------- after the run
+def test_a_saved_run_is_fused_again_with_another_method(uploads, tmp_path, capsys):
+    run = tmp_path / "run"
+    store = UploadStore(run / "clients")
+    for upload in uploads:
+        store.add(upload, source=f"client {upload.partition_id}")
+    write_json(run / "results.json", {"status": "ok", "settings": SETTINGS.to_config()})
+    out = tmp_path / "otfusion.safetensors"
+    argv = ["fuse", str(run), "--method", "otfusion", "--output", str(out)]
+    assert main([*argv, "--test-data", "digits:test"]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "fused 3 models with otfusion" in printed and "fused: otfusion" in printed
+    assert out.is_file()
+    assert main(["fuse", str(run), "--method", "regmean", "--output", str(tmp_path / "r")]) == 0
+    assert main(["fuse", str(run), "--method", "hf-linear"]) == 2
+    assert "hf-linear fuses at most 2 models, got 3" in capsys.readouterr().err
+    assert main(["fuse", str(tmp_path / "missing-run")]) == 2
+
+
+def test_streaming_evaluation_matches_the_ensemble_module(uploads):
+    test = Scenario(SETTINGS, 3).test_set
+    models = [u.model for u in uploads]
+    fused = {"fedavg": models[0]}
+    report = evaluate_fusion(models, fused, test, device="cpu")
+    reference = evaluate(Ensemble(models), test, device="cpu")
+    assert report["ensemble"]["accuracy"] == pytest.approx(reference.accuracy, abs=1e-9)
+    assert report["ensemble"]["loss"] == pytest.approx(reference.loss, rel=1e-5)
+    for row, model in zip(report["base"], models, strict=True):
+        assert row["accuracy"] == pytest.approx(evaluate(model, test, device="cpu").accuracy)
+
+
+# ---------------------------------------------------------------------------- partition cache
+def _build_counter(counter_path, scenario):
+    def build():
+        with open(counter_path, "a") as handle:
+            handle.write("built\n")
+        time.sleep(0.5)  # hold the lock long enough for the other process to wait on it
+        return scenario.train_set, scenario.partitions
+
+    return build
+
+
+def _open_in_process(root, counter_path, queue):
+    settings = RunSettings(dataset="digits", partitioner="dirichlet", seed=3)
+    scenario = Scenario(settings, 7)
+    from pathlib import Path
+
+    cache = PartitionCache.open_or_build(
+        scenario.cache_fields(), _build_counter(counter_path, scenario), root=Path(root)
+    )
+    queue.put(cache.client_data(4).labels.tolist())
+
+
+def test_partition_cache_is_built_once_and_matches_the_split(tmp_path):
+    settings = RunSettings(dataset="digits", partitioner="dirichlet", seed=3)
+    scenario = Scenario(settings, 7)
+    counter = tmp_path / "builds.txt"
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [
+        context.Process(target=_open_in_process, args=(tmp_path / "cache", counter, queue))
+        for _ in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    results = [queue.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert counter.read_text() == "built\n"  # two processes, one build
+    expected = scenario.client_data(4, cached=False)
+    assert results[0] == results[1] == expected.labels.tolist()
+
+    cache = PartitionCache.open_or_build(
+        scenario.cache_fields(), _build_counter(counter, scenario), root=tmp_path / "cache"
+    )
+    assert counter.read_text() == "built\n"  # reopened, not rebuilt
+    for client in range(7):
+        data = cache.client_data(client)
+        reference = scenario.client_data(client, cached=False)
+        assert torch.equal(data.images, reference.images)
+        assert data.mean == reference.mean and data.num_classes == reference.num_classes
+    assert all(
+        np.array_equal(a, b) for a, b in zip(cache.partitions(), scenario.partitions, strict=True)
+    )
+    other = Scenario(RunSettings(dataset="digits", partitioner="dirichlet", seed=4), 7)
+    assert other.cache_fields() != scenario.cache_fields()
+    with pytest.raises(ValueError, match="partition-id 7 is outside 0..6"):
+        cache.client_data(7)
+
+
+def test_a_site_does_not_load_the_training_set_when_the_cache_exists(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDFUSE_CACHE", str(tmp_path))
+    settings = RunSettings(dataset="digits", partitioner="iid")
+    Scenario(settings, 4).client_data(0)  # builds the cache
+    import fedfuse.scenario as scenario_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a site loaded the whole training set")
+
+    monkeypatch.setattr(scenario_module, "load_dataset", refuse)
+    assert len(Scenario(settings, 4).client_data(3)) > 0
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (Linux), or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= address < high:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def test_models_of_a_store_stay_memory_mapped(uploads, tmp_path):
+    store = UploadStore(tmp_path)
+    for upload in uploads:
+        store.add(upload, source=f"client {upload.partition_id}")
+    model = store.models()[1]
+    weight = model.levels[0][1].weight
+    assert torch.equal(weight, uploads[1].model.levels[0][1].weight)
+    # the parameter is the file's own pages, not a copy in the heap
+    assert _mapped_file(weight.data_ptr()) == str(store.entries[1].path)
