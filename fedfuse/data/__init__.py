@@ -10,6 +10,7 @@ Typical use::
 from ._common import DATA_ENV_VAR, DataFormatError, DatasetNotFoundError, resolve_data_root
 from .arrays import load_npz_dataset, save_npz_dataset
 from .cifar import UnsafePickleError, safe_pickle_load
+from .convert import from_arrays, from_image_folder, from_medmnist_npz
 from .dataset import ImageDataset
 from .idx import read_idx
 from .medmnist import read_medmnist_npz
@@ -22,6 +23,9 @@ __all__ = [
     "ImageDataset",
     "UnsafePickleError",
     "available_datasets",
+    "from_arrays",
+    "from_image_folder",
+    "from_medmnist_npz",
     "load_dataset",
     "load_npz_dataset",
     "read_idx",
