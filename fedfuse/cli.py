@@ -8,17 +8,18 @@ distributes classes over clients; ``fedfuse inspect`` prints a checkpoint's meta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("fedfuse.cli")
 
@@ -57,28 +58,89 @@ def _superlink_pids(control_port: str) -> list[int]:
 
 
 def _stop_processes(pids: list[int]) -> None:
+    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
+    its Ray workers as descendants); kill what is left after 10 s."""
+    import psutil
+
+    processes = []
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+            root = psutil.Process(pid)
+            processes += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
             continue
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
-def check_simulation(run_config: str, num_clients: int) -> None:
-    """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
-    listed fusion method must be able to fuse ``num_clients`` sites."""
+def _run_finished(results: Path, started: datetime) -> bool:
+    """Whether this run's ServerApp wrote its final ``results.json`` (not an earlier run's)."""
+    try:
+        report = json.loads(results.read_text())
+        begun = datetime.fromisoformat(report.get("started_at", "1970-01-01T00:00:00+00:00"))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return begun >= started and report.get("status") in ("ok", "partial", "failed")
+
+
+def simulation_run_config(overrides: str, output_dir: Path, num_clients: int) -> dict[str, Any]:
+    """The run config overrides of a simulation: the user's, plus the output directory and, unless
+    given, ``min-nodes`` (wait for every simulated site)."""
     from flwr.common.config import parse_config_args
 
+    config = parse_config_args([overrides]) if overrides.strip() else {}
+    config.setdefault("min-nodes", num_clients)
+    config["output-dir"] = str(output_dir)
+    return config
+
+
+def _toml_assignments(config: dict[str, Any]) -> str:
+    """``key=value ...`` as ``flwr run --run-config`` parses it (TOML values)."""
+
+    def value(v: Any) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
+
+    return " ".join(f"{key}={value(v)}" for key, v in config.items())
+
+
+def _wait_for_run(
+    process: subprocess.Popen, results: Path, started: datetime, timeout: float, grace: float
+) -> int:
+    """``flwr run``'s exit code; 124 past ``timeout``. Once the ServerApp wrote its final result
+    file, Flower may still wait on a site that never returns (a hung ClientApp): after ``grace``
+    seconds the run counts as done and that wait is cut short."""
+    deadline = time.monotonic() + timeout
+    finished_at: float | None = None
+    while (code := process.poll()) is None:
+        now = time.monotonic()
+        if now > deadline:
+            log.error("the run did not finish within %s s", timeout)
+            return 124
+        if finished_at is None and _run_finished(results, started):
+            finished_at = now
+        if finished_at is not None and now - finished_at > grace:
+            log.warning(
+                "the run finished %.0f s ago but Flower still waits on a site that has not "
+                "returned; stopping the simulation",
+                now - finished_at,
+            )
+            return 0
+        time.sleep(0.5)
+    return code
+
+
+def check_simulation(config: dict[str, Any], num_clients: int) -> None:
+    """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
+    listed fusion method must be able to fuse ``num_clients`` sites."""
     from .scenario import RunSettings
 
     # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
-    methods = RunSettings.from_config(parse_config_args([run_config])).fusion_methods()
+    methods = RunSettings.from_config(config).fusion_methods()
     problems = []
     for method in methods:
         try:
@@ -110,10 +172,9 @@ def simulate(args: argparse.Namespace) -> int:
 
     output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
-    run_config = f"output-dir={json.dumps(str(output_dir))} min-nodes={args.num_clients}"
-    if args.run_config:
-        run_config += " " + args.run_config
-    check_simulation(run_config, args.num_clients)
+    config = simulation_run_config(args.run_config, output_dir, args.num_clients)
+    check_simulation(config, args.num_clients)
+    run_config = _toml_assignments(config)
     federation = (
         f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
         f"client-resources-num-gpus={args.gpus_per_client}"
@@ -129,17 +190,16 @@ def simulate(args: argparse.Namespace) -> int:
         run_config,
     ]
     log.info("running: %s", shlex.join(command))
+    results = output_dir / "latest" / "results.json"
+    process = subprocess.Popen(command, env=env)
     try:
-        completed = subprocess.run(command, env=env, timeout=args.timeout, check=False)
-        returncode = completed.returncode
-    except subprocess.TimeoutExpired:
-        log.error("the run did not finish within %s s", args.timeout)
-        returncode = 124
+        returncode = _wait_for_run(process, results, started, args.timeout, args.grace)
     finally:
+        if process.poll() is None:
+            _stop_processes([process.pid])
         if not args.keep_superlink:
             _stop_processes(sorted(set(_superlink_pids(control_port)) - running_before))
 
-    results = output_dir / "latest" / "results.json"
     if not results.is_file():
         print(
             f"fedfuse simulate: FAILED: no result file at {results} (flwr exit {returncode})",
@@ -230,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--output-dir", default="outputs")
     sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')
     sim.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    sim.add_argument(
+        "--grace",
+        type=float,
+        default=20.0,
+        help="seconds Flower may go on after the run wrote its results (e.g. waiting on a hung "
+        "site) before the simulation is stopped",
+    )
     sim.add_argument(
         "--keep-superlink",
         action="store_true",

@@ -259,13 +259,18 @@ class Scenario:
             raise ValueError(
                 f"fusion-source {source} is not a client (there are {self.num_clients})"
             )
-        index = sample_fusion_set(
-            self.train_set.labels.numpy(),
-            self.partitions,
-            s.fusion_samples,
-            source=source,
-            seed=s.seed + 2,
-        )
+        try:
+            index = sample_fusion_set(
+                self.train_set.labels.numpy(),
+                self.partitions,
+                s.fusion_samples,
+                source=source,
+                seed=s.seed + 2,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"fusion set: {error} (lower fusion-samples, or set fusion-source='all')"
+            ) from None
         return self.train_set.subset(index)
 
     def model_spec(self) -> ModelSpec:

@@ -124,6 +124,9 @@ class OneShotFusion(Strategy):
         require_scores: reject uploads without importance scores.
         available_inputs: the :class:`FusionInputs` fields this run provides, for the check
             before training (None: all).
+        before_training: called with the number of connected sites before the train message
+            goes out: the place for any check that would otherwise fail after training (e.g.
+            building the fusion set).
         on_upload: called with each stored upload (progress reports, result files).
     """
 
@@ -137,6 +140,7 @@ class OneShotFusion(Strategy):
         node_wait_timeout: float = 120.0,
         require_scores: bool = True,
         available_inputs: Iterable[str] | None = None,
+        before_training: Callable[[int], None] | None = None,
         on_upload: Callable[[StoredUpload], None] | None = None,
     ) -> None:
         if not methods:
@@ -148,6 +152,7 @@ class OneShotFusion(Strategy):
         self.node_wait_timeout = node_wait_timeout
         self.require_scores = require_scores
         self.available_inputs = available_inputs
+        self.before_training = before_training
         self.on_upload = on_upload
         self.problems: list[str] = []
         self.results: dict[str, FusionResult] = {}
@@ -172,6 +177,8 @@ class OneShotFusion(Strategy):
         check_methods(
             self.methods, len(self._sent), self.store.expected_spec, self.available_inputs
         )
+        if self.before_training is not None:
+            self.before_training(len(self._sent))
         config["server-round"] = server_round
         content = RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
         log.info("sending the one train message to %d sites", len(self._sent))

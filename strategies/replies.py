@@ -8,6 +8,7 @@ its tensors misshapen or not finite, its counts negative or absurd. Every check 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from flwr.app import ConfigRecord, Message
@@ -47,7 +48,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
     """Validate one train reply and rebuild its model; raises :class:`ContributionError`."""
     source = describe_sender(msg)
     if msg.has_error():
-        raise ContributionError(f"{source}: the client failed: {msg.error.reason}")
+        raise ContributionError(f"{source}: the client failed: {short_reason(msg.error.reason)}")
     content = msg.content
     for key, records in (
         (WEIGHTS_KEY, content.array_records),
@@ -98,6 +99,22 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         grams=grams,
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
     )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def short_reason(reason: str, limit: int = 300) -> str:
+    """A client's error reason as one line: Flower wraps the ClientApp's exception in Ray's
+    traceback, whose last ``Message:`` (or last line) is what the site's code said."""
+    text = _ANSI.sub("", str(reason))
+    if "Message:" in text:
+        text = text.rsplit("Message:", 1)[1]
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        text = lines[-1] if lines else text
+    text = " ".join(text.split()).rstrip("'>")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _spec(site: ConfigRecord, source: str) -> ModelSpec:

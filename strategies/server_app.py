@@ -86,6 +86,7 @@ class OneShotRun:
         self.report: dict[str, Any] = {}
         self.phases: dict[str, float] = {}
         self.scenarios: dict[int, Scenario] = {}
+        self.fusion_sets: dict[int, ImageDataset] = {}
 
     def scenario(self, num_partitions: int) -> Scenario:
         if num_partitions not in self.scenarios:
@@ -98,12 +99,16 @@ class OneShotRun:
         return self.scenarios[num_partitions]
 
     def fusion_set(self, num_partitions: int) -> ImageDataset:
+        """The server's fusion set (built once per split, so the check before training and the
+        fusion itself use the very same samples)."""
         if num_partitions == 0 and not self.settings.fusion_data:
             raise ValueError(
                 "the sites train on their own data files (num-partitions 0), so the server's "
                 "fusion set must be given as a file: run config fusion-data='<file.npz>'"
             )
-        return self.scenario(num_partitions).fusion_set()
+        if num_partitions not in self.fusion_sets:
+            self.fusion_sets[num_partitions] = self.scenario(num_partitions).fusion_set()
+        return self.fusion_sets[num_partitions]
 
     def save(self) -> None:
         self.report["phases"] = self.phases
@@ -129,6 +134,10 @@ class OneShotRun:
         def on_upload(entry: StoredUpload) -> None:
             self.report["clients"].append(entry.facts)
 
+        def before_training(num_sites: int) -> None:
+            if "data" in available:  # a fusion set that cannot be built fails now, not later
+                self.fusion_set(0 if settings.fusion_data else num_sites)
+
         strategy = OneShotFusion(
             self.methods,
             store=store,
@@ -136,6 +145,7 @@ class OneShotRun:
             min_nodes=settings.min_nodes,
             node_wait_timeout=settings.node_wait_timeout,
             available_inputs=available,
+            before_training=before_training,
             on_upload=on_upload,
         )
         try:

@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fedfuse.checkpoint import load_checkpoint
@@ -48,7 +50,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _simulate(tmp_path: Path, run_config: str) -> tuple[subprocess.CompletedProcess, Path, str]:
+def _simulate(
+    tmp_path: Path, run_config: str, *, app: Path = REPO, num_clients: int = 2, grace: float = 20
+) -> tuple[subprocess.CompletedProcess, Path, str]:
     control_port = str(_free_port())
     env = {
         **os.environ,
@@ -64,7 +68,11 @@ def _simulate(tmp_path: Path, run_config: str) -> tuple[subprocess.CompletedProc
         "fedfuse.cli",
         "simulate",
         "--app",
-        str(REPO),
+        str(app),
+        "--num-clients",
+        str(num_clients),
+        "--grace",
+        str(grace),
         "--output-dir",
         str(out),
         "--timeout",
@@ -81,7 +89,18 @@ def _simulate(tmp_path: Path, run_config: str) -> tuple[subprocess.CompletedProc
         for pid in leftover:  # never leak a SuperLink, even if the CLI was killed
             os.kill(pid, 9)
     assert not leftover, "fedfuse simulate left its local SuperLink running"
+    stray = [p.info["pid"] for p in psutil.process_iter(["pid", "environ"]) if _ours(p, env)]
+    assert not stray, f"fedfuse simulate left processes of its run behind: {stray}"
     return completed, out, control_port
+
+
+def _ours(process: psutil.Process, env: dict[str, str]) -> bool:
+    """Whether ``process`` belongs to the simulation that ``env`` started (its FLWR_HOME)."""
+    try:
+        environ = process.info["environ"] or {}
+    except psutil.Error:
+        return False
+    return process.pid != os.getpid() and environ.get("FLWR_HOME") == env["FLWR_HOME"]
 
 
 def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
@@ -141,10 +160,62 @@ def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
     assert client.metadata["class_counts"] == clients[1]["class_counts"]
 
 
-def test_failed_run_exits_non_zero_and_records_the_error(tmp_path):
-    completed, out, _ = _simulate(tmp_path, f"{SMALL} strategy='no-such-method'")
+def test_a_failed_run_exits_non_zero_and_records_the_error(tmp_path):
+    """A run that fails inside the ServerApp (its test set file is missing) is reported as failed
+    with the error, though every site trained; the sites' uploads stay on disk."""
+    missing = tmp_path / "no-such-test-file.npz"
+    completed, out, _ = _simulate(tmp_path, f"{SMALL} test-data='{missing}'")
     assert completed.returncode != 0
-    assert "unknown fusion method 'no-such-method'" in completed.stderr
+    assert "no-such-test-file.npz" in completed.stderr
     report = json.loads((out / "latest" / "results.json").read_text())
-    assert report["status"] == "failed"
-    assert "no-such-method" in report["error"]
+    assert report["status"] == "failed" and "no-such-test-file.npz" in report["error"]
+    assert len(list((out / "latest" / "clients").glob("client_*.safetensors"))) == 2
+
+
+def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_path):
+    """Real ClientApps (tests/apps/faulty): site 1 raises mid-round, site 2 sleeps far past the
+    reply timeout; sites 0 and 3 are fused, and both faulty sites are named in the results."""
+    started = time.monotonic()
+    completed, out, _ = _simulate(
+        tmp_path,
+        "min-nodes=2 reply-timeout=45.0",
+        app=REPO / "tests" / "apps" / "faulty",
+        num_clients=4,
+        grace=5,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert time.monotonic() - started < 300  # the hung site (600 s) did not hold the run
+    report = json.loads((out / "latest" / "results.json").read_text())
+    assert report["status"] == "ok"
+    assert [c["partition_id"] for c in report["clients"]] == [0, 3]
+    rejected = report["rejected"]
+    assert len(rejected) == 2
+    assert any(
+        "the client failed: site 1 crashed mid-round (fault injected by the test app)" in r
+        for r in rejected
+    )
+    assert any("no reply before the reply timeout" in r for r in rejected)
+    assert report["phases"]["collect"] >= 45
+    assert sorted(p.name for p in (out / "latest" / "clients").iterdir()) == [
+        "client_0.safetensors",
+        "client_3.safetensors",
+    ]
+    assert "fused: kf-linear" in completed.stdout
+
+
+def test_ten_sites_with_the_default_strategy(tmp_path):
+    completed, out, _ = _simulate(
+        tmp_path,
+        "train-samples=300 local-epochs=1 score-samples=32 score-steps=4 "
+        "test-samples=1000 fusion-samples=100 mlp-widths='64,64'",
+        num_clients=10,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "latest" / "results.json").read_text())
+    assert report["status"] == "ok" and report["rejected"] == []
+    assert [c["partition_id"] for c in report["clients"]] == list(range(10))
+    assert set(report["fusions"]) == {"kf-linear", "fedavg"}
+    assert len(list((out / "latest" / "clients").glob("client_*.safetensors"))) == 10
+    # K-means Fusion of 10 sharded sites well above a single site (each holds 1 class)
+    accuracy = report["accuracy"]
+    assert accuracy["fused"]["kf-linear"]["accuracy"] > max(b["accuracy"] for b in accuracy["base"])

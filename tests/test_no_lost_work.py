@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedfuse.cli import main
@@ -113,6 +113,36 @@ def test_simulate_refuses_an_unfit_method_before_flower_starts(capsys, tmp_path)
     assert "unknown run config key(s) ['no-such-key']" in capsys.readouterr().err
     assert time.monotonic() - started < 20  # no SuperLink, no Ray
     assert not any(tmp_path.iterdir())
+
+
+class _Grid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def test_a_fusion_set_that_cannot_be_built_fails_before_the_train_message(tmp_path):
+    settings = RunSettings(dataset="digits", train_samples=30, fusion_samples=100)
+    with pytest.raises(ValueError, match="only 30 are in client 0's partition.*fusion-source"):
+        Scenario(settings, 2).fusion_set()
+
+    sent = []
+
+    def before_training(num_sites):
+        sent.append(num_sites)
+        Scenario(settings, num_sites).fusion_set()
+
+    strategy = OneShotFusion(
+        [make_fusion_method("kf-linear")],
+        store=UploadStore(tmp_path),
+        before_training=before_training,
+        node_wait_timeout=0.1,
+    )
+    with pytest.raises(ValueError, match="fusion set"):
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([1, 2, 3]))
+    assert sent == [3]
 
 
 # ---------------------------------------------------------------------------- while fusing

@@ -1,0 +1,26 @@
+"""fedfuse's ClientApp with real faults, by partition id: 1 raises mid-round, 2 hangs."""
+
+from __future__ import annotations
+
+import time
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from fedfuse.clients.client_app import train_and_upload
+
+app = ClientApp()
+
+#: seconds site 2 sleeps: far past the app's reply-timeout
+HANG_SECONDS = 600
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Site 1 fails while training, site 2 never replies in time, the others behave."""
+    partition_id = int(context.node_config["partition-id"])
+    if partition_id == 1:
+        raise RuntimeError("site 1 crashed mid-round (fault injected by the test app)")
+    if partition_id == 2:
+        time.sleep(HANG_SECONDS)
+    return train_and_upload(msg, context)
