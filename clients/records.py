@@ -19,6 +19,8 @@ METRICS_KEY = "metrics"
 SITE_KEY = "site"
 GRAMS_KEY = "grams"
 CONFIG_KEY = "config"
+#: metrics ``seconds-<phase>``: the wall time of a site's phases
+SECONDS_PREFIX = "seconds-"
 
 
 def pack_upload(upload: ClientUpload) -> RecordDict:
@@ -28,7 +30,11 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
             WEIGHTS_KEY: ArrayRecord(upload.model.state_dict()),
             SCORES_KEY: ArrayRecord({str(k): v for k, v in upload.scores.items()}),
             METRICS_KEY: MetricRecord(
-                {"num-examples": upload.num_examples, "train-loss": upload.train_loss}
+                {
+                    "num-examples": upload.num_examples,
+                    "train-loss": upload.train_loss,
+                    **{f"{SECONDS_PREFIX}{k}": float(v) for k, v in upload.seconds.items()},
+                }
             ),
             SITE_KEY: ConfigRecord(
                 {

@@ -7,6 +7,7 @@ benchmarks call it directly.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -44,10 +45,12 @@ def train_site(
     limit_threads(settings.threads)
     seed = client_seed(settings, partition_id)
     seed_everything(seed)
+    clock = _PhaseClock()
     if data_path:
         data = load_npz_dataset(data_path)
     else:
         data = Scenario(settings, num_partitions).client_data(partition_id)
+    clock.lap("load")
     spec = settings.model_spec_for(data)
     name = f"client {partition_id}"
     if settings.init == "shared":
@@ -59,6 +62,7 @@ def train_site(
     losses = train(
         model, data, settings.train_config(), seed=seed, device=settings.device, description=name
     )
+    clock.lap("train")
     inputs, labels = scores_sample(data, settings.score_samples, seed)
     scores = importance_scores(
         model,
@@ -68,9 +72,11 @@ def train_site(
         n_steps=settings.score_steps,
         device=settings.device,
     )
+    clock.lap("score")
     grams = None
     if strategy_needs_grams(settings.strategy):
         grams = level_grams(model, data.inputs())
+        clock.lap("grams")
     log.info("%s: trained on %d samples, final loss %.4f", name, len(data), losses[-1])
     return ClientUpload(
         model=model.cpu(),
@@ -83,7 +89,21 @@ def train_site(
         init=settings.init,
         train_loss=float(losses[-1]) if losses else float("nan"),
         grams=grams,
+        seconds=clock.laps,
     )
+
+
+class _PhaseClock:
+    """Wall time of each phase of a site's round (reported to the server with the upload)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now
 
 
 def strategy_needs_grams(strategy: str) -> bool:

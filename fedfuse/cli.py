@@ -319,12 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     insp.set_defaults(handler=inspect_checkpoint)
 
     from . import checkpoint_fusion, deployment
-    from .experiments import bench, speed
+    from .experiments import bench, scale, speed
 
     checkpoint_fusion.register_cli(commands)
     deployment.register_cli(commands)
     bench.register_cli(commands)
     speed.register_cli(commands)
+    scale.register_cli(commands)
     return parser
 
 

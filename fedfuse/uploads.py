@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
@@ -45,6 +45,8 @@ class ClientUpload:
     init: str
     train_loss: float
     grams: dict[int, torch.Tensor] | None = None
+    #: wall time of the site's phases (load, train, score, grams), as the site reported it
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def facts(self) -> dict[str, Any]:
         """The site's facts, JSON-ready (what results files and checkpoint metadata record)."""
@@ -56,6 +58,7 @@ class ClientUpload:
             "train_loss": self.train_loss,
             "score_method": self.score_method,
             "init": self.init,
+            "seconds": dict(self.seconds),
         }
 
 

@@ -173,7 +173,9 @@ class OneShotFusion(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Wait for the sites, check every method against them, then one message per site."""
+        started = time.monotonic()
         self._sent = wait_for_nodes(grid, self.min_nodes, self.node_wait_timeout)
+        self.timings["wait_nodes"] = time.monotonic() - started
         check_methods(
             self.methods, len(self._sent), self.store.expected_spec, self.available_inputs
         )
@@ -221,10 +223,10 @@ class OneShotFusion(Strategy):
         if num_rounds != 1:
             raise ValueError(f"one-shot fusion has exactly one round, not {num_rounds}")
         self.summary()
-        started = time.monotonic()
         messages = list(
             self.configure_train(1, initial_arrays, train_config or ConfigRecord(), grid)
         )
+        started = time.monotonic()
         replies = stream_replies(grid, messages, timeout)
         while True:
             try:
@@ -244,6 +246,7 @@ class OneShotFusion(Strategy):
     def accept(self, msg: Message) -> StoredUpload | None:
         """Validate one reply and store it; a bad one is named in :attr:`problems`."""
         source = describe_sender(msg)
+        started = time.monotonic()
         try:
             upload = decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
             entry = self.store.add(upload, source=source)
@@ -251,6 +254,9 @@ class OneShotFusion(Strategy):
             self.problems.append(str(error))
             log.error("rejected upload: %s", error)
             return None
+        finally:
+            elapsed = time.monotonic() - started
+            self.timings["handle_uploads"] = self.timings.get("handle_uploads", 0.0) + elapsed
         log.info(
             "stored the upload of %s (%d examples): %d of %d sites",
             source,

@@ -8,6 +8,7 @@ its tensors misshapen or not finite, its counts negative or absurd. Every check 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ from fedfuse.clients.records import (
     GRAMS_KEY,
     METRICS_KEY,
     SCORES_KEY,
+    SECONDS_PREFIX,
     SITE_KEY,
     WEIGHTS_KEY,
     unpack_tensors,
@@ -87,6 +89,14 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
             raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
         grams = validate_grams(model, levels, source=source)
     train_loss = metrics.get("train-loss", float("nan"))
+    seconds = {
+        key.removeprefix(SECONDS_PREFIX)[:32]: float(value)
+        for key, value in list(metrics.items())[:64]
+        if key.startswith(SECONDS_PREFIX)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value >= 0
+    }
     return ClientUpload(
         model=model,
         scores=scores,
@@ -98,6 +108,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         init=str(site.get("init", ""))[:64],
         grams=grams,
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
+        seconds=seconds,
     )
 
 

@@ -33,7 +33,7 @@ from fedfuse.fusion import FusionMethod
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.report import evaluate_fusion, format_accuracy_table, format_level_summary, write_json
-from fedfuse.runtime import configure_logging, limit_threads, seed_everything
+from fedfuse.runtime import configure_logging, seed_everything
 from fedfuse.scenario import RunSettings, Scenario, initial_seed
 from fedfuse.uploads import StoredUpload, UploadStore
 
@@ -222,7 +222,8 @@ def main(grid: Grid, context: Context) -> None:
         out = _run_directory(root, label, grid.run.run_id)
         _fail(report, error, out, started)
         raise
-    limit_threads(max(settings.threads, 1))
+    # no limit_threads here: `threads` caps each site's process; the server fuses and evaluates
+    # with every core once the sites are done
     seed_everything(settings.seed)
     out = _run_directory(root, label, grid.run.run_id)
     report.update(

@@ -87,3 +87,34 @@ def test_bad_arguments_are_named():
         weighted_kmeans(points, -torch.ones(5), 2)
     with pytest.raises(ValueError, match=r"points must be \(n, d\)"):
         weighted_kmeans(torch.randn(5), None, 2)
+
+
+def test_many_points_blocks_and_sampled_seeding_find_the_clusters(monkeypatch):
+    """Past 16 k points the seeds come from a weighted sample, and distances, centres and costs
+    are computed in row blocks; force both on a small problem and check the exact answers."""
+    import fedfuse.fusion.kmeans as kmeans
+
+    monkeypatch.setattr(kmeans, "_BLOCK_ROWS", 7)  # many uneven blocks
+    monkeypatch.setattr(kmeans, "SEEDING_POINTS_PER_CLUSTER", 5)  # 20 of the 160 points
+    points, centers = _blobs(n_per=40, k=4, dim=3, seed=4)
+    weights = torch.rand(len(points), generator=torch.Generator().manual_seed(0)).double()
+    result = weighted_kmeans(points, weights, 4, seed=1)
+    truth = torch.arange(4).repeat_interleave(40)
+    # the same partition as the generating blobs, up to the cluster names
+    assert len({(int(a), int(b)) for a, b in zip(result.labels, truth, strict=True)}) == 4
+    expected, mass = weighted_centers(points, weights, result.labels, 4)
+    direct = (
+        torch.stack(
+            [
+                (points[result.labels == c] * weights[result.labels == c, None]).sum(0)
+                for c in range(4)
+            ]
+        )
+        / mass[:, None]
+    )
+    assert torch.allclose(expected, direct)
+    assert result.cost == pytest.approx(
+        float((weights * ((points - expected[result.labels]) ** 2).sum(1)).sum())
+    )
+    again = weighted_kmeans(points, weights, 4, seed=1)
+    assert torch.equal(again.labels, result.labels)  # deterministic by seed

@@ -28,12 +28,16 @@ def average_state_dicts(
     if w.shape != (len(models),) or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"averaging weights must be {len(models)} non-negative numbers, got {w}")
     w = w / w.sum()
-    states = [m.state_dict() for m in models]
-    averaged = {}
-    for name, reference in states[0].items():
-        stacked = torch.stack([s[name].double() for s in states])
-        averaged[name] = torch.tensordot(w, stacked, dims=1).to(reference.dtype)
-    return averaged
+    # a running sum, one model at a time: models may be a lazy sequence of a thousand sites
+    totals: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for weight, model in zip(w.tolist(), models, strict=True):
+        for name, tensor in model.state_dict().items():
+            if name not in totals:
+                totals[name] = torch.zeros(tensor.shape, dtype=torch.float64)
+                dtypes[name] = tensor.dtype
+            totals[name].add_(tensor.detach().cpu().double(), alpha=weight)
+    return {name: total.to(dtypes[name]) for name, total in totals.items()}
 
 
 @register_fusion_method

@@ -29,6 +29,11 @@ class KMeansResult:
     n_iter: int = 0
 
 
+#: rows of the point-to-centre distance matrix computed at once (bounds memory: with k = 512
+#: float32 centres a block is 128 MB, however many neurons are clustered)
+_BLOCK_ROWS = 1 << 16
+
+
 def _squared_distances(points: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
     """``||p - c||^2`` for all pairs, via the Gram expansion (clamped at 0)."""
     d = (points * points).sum(1, keepdim=True) - 2 * points @ centers.T
@@ -36,21 +41,75 @@ def _squared_distances(points: torch.Tensor, centers: torch.Tensor) -> torch.Ten
     return d.clamp_min_(0)
 
 
+def _assign(
+    points: torch.Tensor, norms: torch.Tensor, centers: torch.Tensor, labels: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Nearest centre of every point, block by block (a ``points x centres`` block at a time),
+    and with ``labels`` the squared distance to each point's current centre. With ``labels``,
+    ties stay on the current centre, so reassigning never raises the cost."""
+    center_norms = (centers * centers).sum(1)
+    nearest = torch.empty(len(points), dtype=torch.long, device=points.device)
+    current = None if labels is None else torch.empty_like(norms)
+    for start in range(0, len(points), _BLOCK_ROWS):
+        rows = slice(start, start + _BLOCK_ROWS)
+        d = torch.addmm(center_norms[None], points[rows], centers.T, alpha=-2)
+        d += norms[rows, None]
+        d.clamp_min_(0)
+        value, index = d.min(1)
+        if labels is not None and current is not None:
+            mine = d.gather(1, labels[rows, None])[:, 0]
+            index = torch.where(mine <= value, labels[rows], index)
+            current[rows] = mine
+        nearest[rows] = index
+    return nearest, current
+
+
 def weighted_centers(
-    points: torch.Tensor, weights: torch.Tensor, labels: torch.Tensor, k: int
+    points: torch.Tensor,
+    weights: torch.Tensor,
+    labels: torch.Tensor,
+    k: int,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Importance-weighted mean of each cluster, and each cluster's total weight."""
-    mass = torch.zeros(k, dtype=points.dtype, device=points.device).index_add_(0, labels, weights)
-    sums = torch.zeros(k, points.shape[1], dtype=points.dtype, device=points.device)
-    sums.index_add_(0, labels, points * weights[:, None])
-    return sums / mass.clamp_min(torch.finfo(points.dtype).tiny)[:, None], mass
+    """Importance-weighted mean of each cluster, and each cluster's total weight.
+
+    Summed block by block (no ``points``-sized temporary) in ``dtype`` (default: the points').
+    """
+    dtype = dtype or points.dtype
+    w = weights.to(dtype)
+    mass = torch.zeros(k, dtype=dtype, device=points.device).index_add_(0, labels, w)
+    sums = torch.zeros(k, points.shape[1], dtype=dtype, device=points.device)
+    for start in range(0, len(points), _BLOCK_ROWS):
+        rows = slice(start, start + _BLOCK_ROWS)
+        sums.index_add_(0, labels[rows], points[rows].to(dtype) * w[rows, None])
+    return sums / mass.clamp_min(torch.finfo(dtype).tiny)[:, None], mass
+
+
+def point_costs(
+    points: torch.Tensor,
+    weights: torch.Tensor,
+    labels: torch.Tensor,
+    centers: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``w_j ||x_j - centers[labels_j]||^2`` of every point, block by block, in ``dtype``."""
+    dtype = dtype or points.dtype
+    costs = torch.empty(len(points), dtype=dtype, device=points.device)
+    centers = centers.to(dtype)
+    for start in range(0, len(points), _BLOCK_ROWS):
+        rows = slice(start, start + _BLOCK_ROWS)
+        diff = points[rows].to(dtype) - centers[labels[rows]]
+        costs[rows] = weights[rows].to(dtype) * (diff * diff).sum(1)
+    return costs
 
 
 def weighted_kmeans_cost(
     points: torch.Tensor, weights: torch.Tensor, labels: torch.Tensor, centers: torch.Tensor
 ) -> float:
     """``sum_j w_j ||x_j - centers[labels_j]||^2``."""
-    return float((weights * ((points - centers[labels]) ** 2).sum(1)).sum())
+    return float(point_costs(points, weights, labels, centers).sum())
 
 
 def kmeans_plusplus(
@@ -85,6 +144,32 @@ def kmeans_plusplus(
     return torch.tensor(chosen, device=points.device)
 
 
+#: k-means++ seeds are drawn from at most this many points per cluster: D^2 sampling is
+#: sequential (k passes over the candidates), so with many models it runs on a sample
+SEEDING_POINTS_PER_CLUSTER = 16
+
+
+def _initial_centers(
+    points: torch.Tensor, weights: torch.Tensor, k: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Weighted k-means++ seeds; from a weighted sample of ``16 k`` points when there are more.
+
+    Up to ``16 k`` points (eight 512-wide models) this is exact weighted k-means++. Beyond,
+    candidates are drawn without replacement with probability proportional to the weights and
+    seeded by plain D^2 sampling among them (each candidate then counts once, so a neuron's
+    chance to seed stays proportional to ``w * D^2``); Lloyd then runs on every point.
+    """
+    limit = SEEDING_POINTS_PER_CLUSTER * k
+    if len(points) <= limit:
+        return points[kmeans_plusplus(points, weights, k, generator)].clone()
+    sample = torch.multinomial(
+        weights.double().cpu(), limit, replacement=False, generator=generator
+    )
+    sample = sample.sort().values.to(points.device)
+    uniform = torch.ones(limit, dtype=points.dtype, device=points.device)
+    return points[sample[kmeans_plusplus(points[sample], uniform, k, generator)]].clone()
+
+
 def _repair_empty(
     points: torch.Tensor, weights: torch.Tensor, labels: torch.Tensor, centers: torch.Tensor
 ) -> None:
@@ -98,7 +183,7 @@ def _repair_empty(
     empty = [c for c in range(k) if counts[c] == 0]
     if not empty:
         return
-    cost = weights * ((points - centers[labels]) ** 2).sum(1)
+    cost = point_costs(points, weights, labels, centers)
     order = torch.argsort(cost, descending=True, stable=True).tolist()
     current = labels.tolist()
     for point in order:
@@ -121,18 +206,17 @@ def _lloyd(
 ) -> KMeansResult:
     k = len(centers)
     history: list[float] = []
-    labels = _squared_distances(points, centers).argmin(1)
+    norms = (points * points).sum(1)
+    labels, _ = _assign(points, norms, centers, None)
     iterations = 0
     while iterations < max_iter:
         iterations += 1
         _repair_empty(points, weights, labels, centers)
         centers, _ = weighted_centers(points, weights, labels, k)
-        history.append(weighted_kmeans_cost(points, weights, labels, centers))
-        d = _squared_distances(points, centers)
-        new_labels = d.argmin(1)
-        # keep ties on the current cluster so the cost never rises
-        keep = d.gather(1, labels[:, None])[:, 0] <= d.gather(1, new_labels[:, None])[:, 0]
-        new_labels = torch.where(keep, labels, new_labels)
+        new_labels, current = _assign(points, norms, centers, labels)
+        assert current is not None
+        # the cost of (labels, centers), from the distances just computed
+        history.append(float((weights * current).sum()))
         converged = torch.equal(new_labels, labels)
         labels = new_labels
         if converged or (len(history) > 1 and history[-2] - history[-1] <= tol * history[-2]):
@@ -226,8 +310,8 @@ def weighted_kmeans(
     generator = torch.Generator().manual_seed(seed)
     best: KMeansResult | None = None
     for _ in range(n_init):
-        seeds = kmeans_plusplus(points, seed_weights, k, generator)
-        result = _lloyd(points, w, points[seeds].clone(), max_iter, tol)
+        centers = _initial_centers(points, seed_weights, k, generator)
+        result = _lloyd(points, w, centers, max_iter, tol)
         if best is None or result.cost < best.cost:
             best = result
     assert best is not None

@@ -36,7 +36,7 @@ from ..validation import validate_scores
 from .affine import affine_view, output_rows
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .costs import cluster_targets, representation_cost
-from .kmeans import weighted_centers, weighted_kmeans
+from .kmeans import point_costs, weighted_centers, weighted_kmeans
 from .least_squares import accumulate_normal_equations, gram_basis, kernel_basis
 
 log = logging.getLogger(__name__)
@@ -409,6 +409,9 @@ class NeuronInterpolation(FusionMethod):
                     is_head,
                     index,
                 )
+            for capture in captured:  # this level's base outputs are not needed again
+                del capture[index]
+            del outputs
             with torch.no_grad():
                 x = level(x)
             info.update(level=fused.level_name(index), seconds=time.perf_counter() - started)
@@ -432,35 +435,43 @@ class NeuronInterpolation(FusionMethod):
                 f"{self.name}: level {type(level).__name__} is not affine (parameter-free ops "
                 "then one Linear/Conv2d); use a gradient variant for it"
             )
-        chunk = self.batch_size_capture
+        chunk = self._row_chunk(sum(widths), len(x))
         positions = output_rows(outputs[0][:1]).shape[0]
         rows = len(x) * positions
-        base_chunks = (
-            torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1)
-            for s in range(0, len(x), chunk)
-        )
         ridge = self.ridge
         if ridge is None:
             ridge = AUTO_RIDGE if rows < view.fan_in else 0.0
         if rows >= view.fan_in:
+            base_chunks = (
+                torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1)
+                for s in range(0, len(x), chunk)
+            )
             gram, xtz, norms = accumulate_normal_equations(
                 view.design_batches(x, chunk), base_chunks, dtype=self.gram_dtype
             )
             basis = gram_basis(gram, rcond=self.rcond, ridge=ridge)
-            coords = basis.coordinates(xtz=xtz)
+            # base neurons as rows, in the basis of the design's column space (float64: the
+            # map back to weights amplifies rounding of these coordinates)
+            points = basis.coordinates(xtz=xtz).T
+            del xtz
         else:
-            design = view.design(x)
-            z = torch.cat(list(base_chunks)).double()
-            basis = kernel_basis(design, rcond=self.rcond, ridge=ridge)
-            coords = basis.coordinates(z=z)
-            norms = (z * z).sum(0)
-        points = coords.T  # base neurons as rows, in the basis of the design's column space
+            basis = kernel_basis(view.design(x), rcond=self.rcond, ridge=ridge)
+            # the identity is the basis: the coordinates are the base outputs themselves
+            points = torch.cat([output_rows(o).T for o in outputs])
+            norms = None
+        # Kernel-route points are float32 (as captured); every sum is float64 either way.
+        w64 = weights.double()
         if labels is None:
-            labels = self._group(points, weights.double(), widths, k)
-        centers, _ = weighted_centers(points, weights.double(), labels, k)
+            labels = self._group(points, w64, widths, k)
+        centers, _ = weighted_centers(points, w64, labels, k, dtype=torch.float64)
         view.set_weights(basis.weights(centers.T).float())
-        grouping = float((weights * ((points - centers[labels]) ** 2).sum(1)).sum())
-        residual = float((weights * (norms - (points**2).sum(1)).clamp_min(0)).sum())
+        grouping = float(point_costs(points, w64, labels, centers, dtype=torch.float64).sum())
+        residual = 0.0  # the kernel route reaches every output exactly
+        if norms is not None:
+            reached = torch.cat(
+                [(points[s : s + 65536].double() ** 2).sum(1) for s in range(0, len(points), 65536)]
+            )
+            residual = float((w64 * (norms - reached).clamp_min(0)).sum())
         return {
             **self._level_cost(level, x, outputs, labels, weights),
             "projected_grouping_error": grouping / rows,
@@ -531,7 +542,7 @@ class NeuronInterpolation(FusionMethod):
         weights: torch.Tensor,
     ) -> dict[str, float]:
         """Theorem 1 terms of the fitted level on the fusion set (per row)."""
-        chunk = self.batch_size_capture
+        chunk = self._row_chunk(sum(o.shape[1] for o in outputs), len(x))
         starts = range(0, len(x), chunk)
         cost = representation_cost(
             (output_rows(level(x[s : s + chunk])) for s in starts),
@@ -544,6 +555,12 @@ class NeuronInterpolation(FusionMethod):
             "approximation_error": cost.approximation,
             "grouping_error": cost.grouping,
         }
+
+    def _row_chunk(self, columns: int, samples: int) -> int:
+        """Fusion-set samples per chunk when all models' outputs are concatenated: at most
+        ``batch_size_capture``, and few enough that a float64 chunk of ``columns`` base neurons
+        stays near 128 MB (a thousand 512-wide models need chunks of 32 samples)."""
+        return max(1, min(self.batch_size_capture, samples, (1 << 24) // max(columns, 1)))
 
     @torch.no_grad()
     def _initialise(
