@@ -269,7 +269,7 @@ class Scenario:
             )
         except ValueError as error:
             raise ValueError(
-                f"fusion set: {error} (lower fusion-samples, or set fusion-source='all')"
+                f"fusion set: {error} (lower fusion-samples, or use more training data)"
             ) from None
         return self.train_set.subset(index)
 

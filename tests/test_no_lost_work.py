@@ -125,7 +125,7 @@ class _Grid:
 
 def test_a_fusion_set_that_cannot_be_built_fails_before_the_train_message(tmp_path):
     settings = RunSettings(dataset="digits", train_samples=30, fusion_samples=100)
-    with pytest.raises(ValueError, match="only 30 are in client 0's partition.*fusion-source"):
+    with pytest.raises(ValueError, match="the clients hold only 60.*lower fusion-samples"):
         Scenario(settings, 2).fusion_set()
 
     sent = []

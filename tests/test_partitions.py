@@ -323,6 +323,19 @@ def test_fusion_set_skewed_stays_in_source_partition():
     assert not np.array_equal(fs0, fp.sample_fusion_set(labels, parts, 50, seed=1))
 
 
+def test_fusion_set_tops_up_from_the_next_clients_when_the_source_is_small():
+    labels = balanced_labels()
+    parts = fp.iid_partition(labels, 4, seed=0)  # 500 each
+    fs = fp.sample_fusion_set(labels, parts, 1100, source=2, seed=0)
+    assert fs.size == 1100 and np.unique(fs).size == 1100
+    # all of client 2, all of client 3, then 100 of client 0 (wrapping around), none of client 1
+    assert np.isin(parts[2], fs).all() and np.isin(parts[3], fs).all()
+    assert np.isin(fs, parts[0]).sum() == 100 and not np.isin(fs, parts[1]).any()
+    # enough data at the source: exactly the draw from the source alone
+    small = fp.sample_fusion_set(labels, parts, 300, source=2, seed=0)
+    assert np.isin(small, parts[2]).all()
+
+
 def test_fusion_set_all_samples_everywhere():
     labels = balanced_labels()
     parts = fp.sharded_partition(labels, 2, seed=0)
@@ -338,8 +351,8 @@ def test_fusion_set_all_samples_everywhere():
 def test_fusion_set_errors():
     labels = balanced_labels()
     parts = fp.iid_partition(labels, 4, seed=0)  # 500 each
-    with pytest.raises(ValueError, match=r"n=501.*500"):
-        fp.sample_fusion_set(labels, parts, 501, source=0, seed=0)
+    with pytest.raises(ValueError, match=r"n=2001.*only 2000"):
+        fp.sample_fusion_set(labels, parts, 2001, source=0, seed=0)
     with pytest.raises(ValueError, match=r"n=2001.*2000"):
         fp.sample_fusion_set(labels, parts, 2001, source="all", seed=0)
     with pytest.raises(ValueError, match="source"):
