@@ -14,6 +14,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -191,6 +192,8 @@ def simulate(args: argparse.Namespace) -> int:
     ]
     log.info("running: %s", shlex.join(command))
     results = output_dir / "latest" / "results.json"
+    # a SIGTERM (a scheduler, a benchmark's timeout) still stops the SuperLink below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     process = subprocess.Popen(command, env=env)
     try:
         returncode = _wait_for_run(process, results, started, args.timeout, args.grace)
