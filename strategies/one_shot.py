@@ -96,16 +96,14 @@ def stream_replies(
     unsent = [msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True) if not mid]
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
-        arrived = False
-        # a few at a time: each reply carries a whole model, and is handled before the next
-        batch = sorted(pending)
-        for start in range(0, len(batch), 8):
-            for reply in grid.pull_messages(batch[start : start + 8]):
-                if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
-                    arrived = True
-                    yield reply
-        if not arrived:
-            time.sleep(poll_interval)
+        # one request for every pending reply (the SuperLink returns those that arrived), each
+        # handled before the next is looked at; polled every `poll_interval` while none came
+        replies = list(grid.pull_messages(list(pending)))[::-1]
+        while replies:
+            reply = replies.pop()  # dropped here once handled: one model in memory at a time
+            if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+                yield reply
+        time.sleep(poll_interval)
     return sorted(pending.values()) + unsent
 
 

@@ -260,3 +260,64 @@ def test_strategy_names_a_site_with_another_num_partitions_and_keeps_the_rest(tm
         "client 2 (node 3): reports num-partitions 5, 2 other site(s) report 3"
     ]
     assert (tmp_path / "client_2.rejected").is_file()  # kept for inspection, not fused
+
+
+# ---------------------------------------------------------------------------- run config and CLI
+class _Run:
+    run_id = 42
+
+
+class _Grid:
+    run = _Run()
+
+
+class _Context:
+    def __init__(self, run_config):
+        self.run_config = run_config
+
+
+def test_an_unvalidated_strategy_never_becomes_a_path(tmp_path):
+    from fedfuse.strategies import server_app
+
+    out = tmp_path / "outputs"
+    config = {"strategy": "../../escaped,kf-linear", "output-dir": str(out)}
+    with pytest.raises(ValueError, match="unknown fusion method '../../escaped'"):
+        server_app.main(_Grid(), _Context(config))
+    runs = [p for p in out.iterdir() if p.name != "latest"]
+    assert len(runs) == 1 and runs[0].name.endswith("-invalid-config-run42")
+    assert not (tmp_path / "escaped").exists() and not any(tmp_path.glob("*escaped*"))
+    report = json.loads((runs[0] / "results.json").read_text())
+    assert report["status"] == "failed" and "../../escaped" in report["error"]
+
+
+@pytest.mark.parametrize(
+    ("option", "needle"),
+    [
+        ("ridge=abc", "option ridge='abc' must be float or None"),
+        ("device=bogus", "device 'bogus' is not a device"),
+        ("n_init=1e400", "must be a finite number"),
+        ("seed=" + "[" * 5000 + "]" * 5000, "nested too deeply"),
+    ],
+)
+def test_bad_options_are_one_cli_line(tmp_path, capsys, option, needle):
+    paths = [
+        save_checkpoint(tmp_path / f"m{s}.safetensors", build_model(SPEC, seed=s)) for s in (0, 1)
+    ]
+    argv = ["fuse", *map(str, paths), "--method", "kf-linear", "--option", option]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def test_a_npy_file_named_npz_is_one_cli_line(tmp_path, capsys):
+    import numpy as np
+
+    fake = tmp_path / "fusion.npz"
+    with open(fake, "wb") as handle:
+        np.save(handle, np.zeros((4, 4, 4), dtype=np.uint8))
+    paths = [
+        save_checkpoint(tmp_path / f"m{s}.safetensors", build_model(SPEC, seed=s)) for s in (0, 1)
+    ]
+    assert main(["fuse", *map(str, paths), "--fusion-data", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fusion.npz" in err, err
