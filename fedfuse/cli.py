@@ -89,13 +89,20 @@ def _run_finished(results: Path, started: datetime) -> bool:
     return begun >= started and report.get("status") in ("ok", "partial", "failed")
 
 
-def simulation_run_config(overrides: str, output_dir: Path, num_clients: int) -> dict[str, Any]:
-    """The run config overrides of a simulation: the user's, plus the output directory and, unless
-    given, ``min-nodes`` (wait for every simulated site)."""
+def simulation_run_config(
+    overrides: str, output_dir: Path, num_clients: int, cpus_per_client: int = 1
+) -> dict[str, Any]:
+    """The run config overrides of a simulation: the user's, plus the output directory and,
+    unless given, ``min-nodes`` (wait for every simulated site) and ``max-in-flight`` (four
+    train messages per Ray worker at a time)."""
     from flwr.common.config import parse_config_args
 
     config = parse_config_args([overrides]) if overrides.strip() else {}
     config.setdefault("min-nodes", num_clients)
+    # a few messages per Ray worker at a time: Flower's simulation engine rescans every waiting
+    # message for every node ten times a second, which at 1000 sites starves the workers
+    workers = max(1, (os.cpu_count() or 1) // max(cpus_per_client, 1))
+    config.setdefault("max-in-flight", 4 * workers)
     config["output-dir"] = str(output_dir)
     return config
 
@@ -173,7 +180,9 @@ def simulate(args: argparse.Namespace) -> int:
 
     output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
-    config = simulation_run_config(args.run_config, output_dir, args.num_clients)
+    config = simulation_run_config(
+        args.run_config, output_dir, args.num_clients, args.cpus_per_client
+    )
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
     federation = (

@@ -68,6 +68,7 @@ class RunSettings:
     min_nodes: int = 2
     node_wait_timeout: float = 120.0
     reply_timeout: float = 1800.0
+    max_in_flight: int = 0
     output_dir: str = "outputs"
     device: str = "auto"
     threads: int = 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -86,25 +86,49 @@ def check_methods(
 
 
 def stream_replies(
-    grid: Grid, messages: Sequence[Message], timeout: float, *, poll_interval: float = 0.5
-) -> Iterator[Message]:
+    grid: Grid,
+    messages: Sequence[Message],
+    timeout: float,
+    *,
+    max_in_flight: int = 0,
+    poll_interval: float = 0.5,
+) -> Generator[Message, None, list[int]]:
     """Push ``messages`` and yield each reply as soon as it is available, until all replied or
-    ``timeout`` seconds passed. Afterwards the generator's return value (``StopIteration``)
-    is the list of destination nodes that never replied."""
-    ids = list(grid.push_messages(messages))
-    pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True) if mid}
-    unsent = [msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True) if not mid]
+    ``timeout`` seconds passed; the generator returns the destination nodes that never replied.
+
+    With ``max_in_flight > 0`` at most that many messages are out at once, the next one pushed
+    as a reply comes back. Flower's simulation engine scans every undelivered message for every
+    node ten times a second, so a thousand messages at once keep a core busy that the sites
+    need; a deployment sends to every site at once (0).
+    """
+    queue = list(messages)[::-1]
+    pending: dict[str, int] = {}
+    unsent: list[int] = []
+
+    def push(count: int) -> None:
+        batch = [queue.pop() for _ in range(min(count, len(queue)))]
+        if batch:
+            for mid, msg in zip(grid.push_messages(batch), batch, strict=True):
+                if mid:
+                    pending[mid] = msg.metadata.dst_node_id
+                else:
+                    unsent.append(msg.metadata.dst_node_id)
+
+    push(max_in_flight if max_in_flight > 0 else len(queue))
     deadline = time.monotonic() + timeout
-    while pending and time.monotonic() < deadline:
+    while (pending or queue) and time.monotonic() < deadline:
         # one request for every pending reply (the SuperLink returns those that arrived), each
-        # handled before the next is looked at; polled every `poll_interval` while none came
-        replies = list(grid.pull_messages(list(pending)))[::-1]
+        # handled before the next is looked at
+        replies = list(grid.pull_messages(list(pending)))[::-1] if pending else []
         while replies:
             reply = replies.pop()  # dropped here once handled: one model in memory at a time
             if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
                 yield reply
+        if max_in_flight > 0:
+            push(max_in_flight - len(pending))
         time.sleep(poll_interval)
-    return sorted(pending.values()) + unsent
+    never_sent = [msg.metadata.dst_node_id for msg in reversed(queue)]
+    return sorted(pending.values()) + unsent + never_sent
 
 
 class OneShotFusion(Strategy):
@@ -126,6 +150,7 @@ class OneShotFusion(Strategy):
             goes out: the place for any check that would otherwise fail after training (e.g.
             building the fusion set).
         on_upload: called with each stored upload (progress reports, result files).
+        max_in_flight: train messages out at once (0: all; see :func:`stream_replies`).
     """
 
     def __init__(
@@ -140,6 +165,7 @@ class OneShotFusion(Strategy):
         available_inputs: Iterable[str] | None = None,
         before_training: Callable[[int], None] | None = None,
         on_upload: Callable[[StoredUpload], None] | None = None,
+        max_in_flight: int = 0,
     ) -> None:
         if not methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
@@ -152,6 +178,7 @@ class OneShotFusion(Strategy):
         self.available_inputs = available_inputs
         self.before_training = before_training
         self.on_upload = on_upload
+        self.max_in_flight = max_in_flight
         self.problems: list[str] = []
         self.results: dict[str, FusionResult] = {}
         self.failures: dict[str, MethodFailure] = {}
@@ -225,7 +252,7 @@ class OneShotFusion(Strategy):
             self.configure_train(1, initial_arrays, train_config or ConfigRecord(), grid)
         )
         started = time.monotonic()
-        replies = stream_replies(grid, messages, timeout)
+        replies = stream_replies(grid, messages, timeout, max_in_flight=self.max_in_flight)
         while True:
             try:
                 self.accept(next(replies))

@@ -147,6 +147,7 @@ class OneShotRun:
             available_inputs=available,
             before_training=before_training,
             on_upload=on_upload,
+            max_in_flight=settings.max_in_flight,
         )
         try:
             strategy.start(grid, initial, num_rounds=1, timeout=settings.reply_timeout)

@@ -11,7 +11,12 @@ from fedfuse.clients.records import SCORES_KEY, WEIGHTS_KEY, pack_upload
 from fedfuse.clients.site import train_site
 from fedfuse.fusion import make_fusion_method
 from fedfuse.scenario import RunSettings
-from fedfuse.strategies.one_shot import FusionAborted, OneShotFusion, wait_for_nodes
+from fedfuse.strategies.one_shot import (
+    FusionAborted,
+    OneShotFusion,
+    stream_replies,
+    wait_for_nodes,
+)
 from fedfuse.strategies.replies import decode_reply
 from fedfuse.uploads import UploadStore
 from fedfuse.validation import ContributionError
@@ -137,3 +142,64 @@ def test_waiting_for_nodes_times_out_with_counts(tmp_path):
         wait_for_nodes(_Grid([5]), 2, timeout=0.1)
     messages = _strategy(tmp_path).configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([4, 1]))
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 4]
+
+
+class _WindowGrid:
+    """A grid whose sites answer at once, except ``silent`` ones; records messages in flight."""
+
+    def __init__(self, silent=()):
+        self.silent = set(silent)
+        self.outstanding: dict[str, Message] = {}
+        self.most_in_flight = 0
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            mid = f"m{msg.metadata.dst_node_id}"
+            self.outstanding[mid] = msg
+            ids.append(mid)
+        self.most_in_flight = max(self.most_in_flight, len(self.outstanding))
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for mid in list(message_ids):
+            msg = self.outstanding.get(mid)
+            if msg is not None and msg.metadata.dst_node_id not in self.silent:
+                del self.outstanding[mid]
+                reply = _reply(RecordDict(), msg.metadata.dst_node_id)
+                reply.metadata.__dict__["_reply_to_message_id"] = mid
+                replies.append(reply)
+        return replies
+
+
+def _drain(generator):
+    yielded = []
+    while True:
+        try:
+            yielded.append(next(generator))
+        except StopIteration as done:
+            return yielded, done.value
+
+
+def test_stream_replies_keeps_a_window_and_names_the_silent_and_the_never_sent():
+    messages = [
+        Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+        for node in range(1, 21)
+    ]
+    grid = _WindowGrid()
+    replies, silent = _drain(stream_replies(grid, messages, 10, max_in_flight=4, poll_interval=0))
+    assert len(replies) == 20 and silent == [] and grid.most_in_flight == 4
+
+    # two sites never answer: they hold two of the three slots until the timeout
+    grid = _WindowGrid(silent={2, 3})
+    replies, silent = _drain(
+        stream_replies(grid, messages, 0.3, max_in_flight=3, poll_interval=0.01)
+    )
+    assert len(replies) == 18 and silent == [2, 3]
+
+    grid = _WindowGrid(silent={1, 2, 3})  # every slot blocked: the rest were never sent
+    replies, silent = _drain(
+        stream_replies(grid, messages, 0.2, max_in_flight=3, poll_interval=0.01)
+    )
+    assert replies == [] and silent == list(range(1, 21))
