@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from fakes import NodesGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -115,14 +116,6 @@ def test_simulate_refuses_an_unfit_method_before_flower_starts(capsys, tmp_path)
     assert not any(tmp_path.iterdir())
 
 
-class _Grid:
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def test_a_fusion_set_that_cannot_be_built_fails_before_the_train_message(tmp_path):
     settings = RunSettings(dataset="digits", train_samples=30, fusion_samples=100)
     with pytest.raises(ValueError, match="the clients hold only 60.*lower fusion-samples"):
@@ -141,7 +134,7 @@ def test_a_fusion_set_that_cannot_be_built_fails_before_the_train_message(tmp_pa
         node_wait_timeout=0.1,
     )
     with pytest.raises(ValueError, match="fusion set"):
-        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([1, 2, 3]))
+        strategy.configure_train(1, ArrayRecord(), ConfigRecord(), NodesGrid([1, 2, 3]))
     assert sent == [3]
 
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from fakes import NodesGrid
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -126,21 +127,13 @@ def test_silent_and_bad_clients_abort_with_every_problem_named(uploads, tmp_path
     assert "client 1 (node 8): tensor 'levels.2.bias' has 10 NaN/Inf values" in message
 
 
-class _Grid:
-    """Only the part of a Grid that node waiting uses."""
-
-    def __init__(self, nodes):
-        self.nodes = nodes
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-
 def test_waiting_for_nodes_times_out_with_counts(tmp_path):
-    assert wait_for_nodes(_Grid([5, 2]), 2, timeout=0.1) == [2, 5]
+    assert wait_for_nodes(NodesGrid([5, 2]), 2, timeout=0.1) == [2, 5]
     with pytest.raises(TimeoutError, match="only 1 of the 2 required SuperNodes"):
-        wait_for_nodes(_Grid([5]), 2, timeout=0.1)
-    messages = _strategy(tmp_path).configure_train(1, ArrayRecord(), ConfigRecord(), _Grid([4, 1]))
+        wait_for_nodes(NodesGrid([5]), 2, timeout=0.1)
+    messages = _strategy(tmp_path).configure_train(
+        1, ArrayRecord(), ConfigRecord(), NodesGrid([4, 1])
+    )
     assert sorted(m.metadata.dst_node_id for m in messages) == [1, 4]
 
 

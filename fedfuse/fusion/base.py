@@ -169,17 +169,26 @@ class FusionMethod(ABC):
                 )
 
     @classmethod
-    def option_defaults(cls) -> dict[str, Any]:
-        """The constructor's options (the keys a config may set) with their defaults."""
+    def options_constructor(cls) -> Any:
+        """The ``__init__`` that defines the options: the nearest one in the MRO that is not a
+        thin ``**options`` wrapper around a parent's (None: the method takes no options)."""
         for klass in cls.__mro__:
             init = klass.__dict__.get("__init__")
-            if init is None:
+            if init is None or klass is object:
                 continue
             parameters = inspect.signature(init).parameters.values()
-            if any(p.kind is p.VAR_KEYWORD for p in parameters):
-                continue  # a thin wrapper: the options are those of a parent's constructor
-            return {p.name: p.default for p in parameters if p.name != "self"}
-        return {}
+            if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+                return init
+        return None
+
+    @classmethod
+    def option_defaults(cls) -> dict[str, Any]:
+        """The constructor's options (the keys a config may set) with their defaults."""
+        init = cls.options_constructor()
+        if init is None:
+            return {}
+        parameters = inspect.signature(init).parameters.values()
+        return {p.name: p.default for p in parameters if p.name != "self"}
 
     @classmethod
     def accepted_options(cls) -> list[str]:
@@ -252,18 +261,11 @@ def parse_options(assignments: str | Iterable[str]) -> dict[str, Any]:
 
 def _option_types(cls: type[FusionMethod]) -> dict[str, Any]:
     """The type hints of the constructor that defines ``cls``'s options."""
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        parameters = inspect.signature(init).parameters.values()
-        if any(p.kind is p.VAR_KEYWORD for p in parameters):
-            continue
-        try:
-            return typing.get_type_hints(init)
-        except (NameError, TypeError):  # an unresolvable annotation: fall back to defaults
-            return {}
-    return {}
+    init = cls.options_constructor()
+    try:
+        return typing.get_type_hints(init) if init is not None else {}
+    except (NameError, TypeError):  # an unresolvable annotation: fall back to the defaults
+        return {}
 
 
 def _matches(value: Any, hint: Any) -> bool:
