@@ -80,3 +80,23 @@ def test_vgg_conv_scores_average_over_spatial_positions():
     model = build_model(vgg11_spec((1, 28, 28), 10, width_multiplier=1 / 16), seed=0)
     scores = importance_scores(model, _inputs(4, (1, 28, 28)), method="deeplift", levels=[0])
     assert scores[0].shape == (4,)
+
+
+def test_one_pass_conductance_equals_captum_layer_conductance(tiny_mlp, tiny_vgg):
+    """All levels from one set of path passes give exactly Captum's per-layer LayerConductance."""
+    from captum.attr import LayerConductance
+
+    from fedfuse.importance import layer_conductances
+
+    for model, shape in ((tiny_mlp, (1, 4, 4)), (tiny_vgg, (3, 32, 32))):
+        model.eval()
+        x = _inputs(5, shape, seed=3) - 0.5
+        targets = torch.tensor([0, 2, 1, 2, 0])
+        levels = model.neuron_levels
+        ours = layer_conductances(model, [model.levels[i] for i in levels], x, targets, n_steps=6)
+        for level, attribution in zip(levels, ours, strict=True):
+            reference = LayerConductance(model, model.levels[level]).attribute(
+                x, baselines=torch.zeros_like(x), target=targets, n_steps=6
+            )
+            assert attribution.shape == reference.shape
+            assert torch.allclose(attribution, reference, atol=1e-6, rtol=1e-5), level
