@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -90,21 +91,36 @@ def _run_finished(results: Path, started: datetime) -> bool:
 
 
 def simulation_run_config(
-    overrides: str, output_dir: Path, num_clients: int, cpus_per_client: int = 1
+    overrides: str,
+    output_dir: Path,
+    num_clients: int,
+    cpus_per_client: int = 1,
+    app_keys: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """The run config overrides of a simulation: the user's, plus the output directory and,
     unless given, ``min-nodes`` (wait for every simulated site) and ``max-in-flight`` (four
-    train messages per Ray worker at a time)."""
+    train messages per Ray worker at a time), each only where the app declares that key."""
     from flwr.common.config import parse_config_args
 
     config = parse_config_args([overrides]) if overrides.strip() else {}
-    config.setdefault("min-nodes", num_clients)
+    keys = None if app_keys is None else set(app_keys)
     # a few messages per Ray worker at a time: Flower's simulation engine rescans every waiting
     # message for every node ten times a second, which at 1000 sites starves the workers
     workers = max(1, (os.cpu_count() or 1) // max(cpus_per_client, 1))
-    config.setdefault("max-in-flight", 4 * workers)
+    for key, value in (("min-nodes", num_clients), ("max-in-flight", 4 * workers)):
+        if keys is None or key in keys:
+            config.setdefault(key, value)
     config["output-dir"] = str(output_dir)
     return config
+
+
+def _app_config_keys(app: Path) -> list[str]:
+    """The run config keys the Flower app at ``app`` declares."""
+    import tomllib
+
+    with open(app / "pyproject.toml", "rb") as handle:
+        project = tomllib.load(handle)
+    return list(project.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
 
 
 def _toml_assignments(config: dict[str, Any]) -> str:
@@ -181,7 +197,7 @@ def simulate(args: argparse.Namespace) -> int:
     output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
     config = simulation_run_config(
-        args.run_config, output_dir, args.num_clients, args.cpus_per_client
+        args.run_config, output_dir, args.num_clients, args.cpus_per_client, _app_config_keys(app)
     )
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)

@@ -293,3 +293,14 @@ def test_models_of_a_store_stay_memory_mapped(uploads, tmp_path):
     assert torch.equal(weight, uploads[1].model.levels[0][1].weight)
     # the parameter is the file's own pages, not a copy in the heap
     assert _mapped_file(weight.data_ptr()) == str(store.entries[1].path)
+
+
+def test_simulate_sets_only_the_run_config_keys_the_app_declares(tmp_path):
+    from fedfuse.cli import simulation_run_config
+
+    full = simulation_run_config("lr=0.01", tmp_path, 10, app_keys=["min-nodes", "max-in-flight"])
+    assert full["min-nodes"] == 10 and full["max-in-flight"] >= 4 and full["lr"] == 0.01
+    mine = simulation_run_config("min-nodes=2 max-in-flight=3", tmp_path, 10)
+    assert mine["min-nodes"] == 2 and mine["max-in-flight"] == 3  # the user's values win
+    other_app = simulation_run_config("", tmp_path, 10, app_keys=["min-nodes"])
+    assert "max-in-flight" not in other_app and other_app["output-dir"] == str(tmp_path)
