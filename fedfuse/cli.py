@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger("fedfuse.cli")
 
@@ -300,8 +300,15 @@ def inspect_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (``fedfuse fuse: error: ...``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedfuse", description=__doc__.splitlines()[0])
+    parser = _OneLineErrors(prog="fedfuse", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 

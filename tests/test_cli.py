@@ -49,3 +49,12 @@ def test_inspect_validates_and_prints_metadata(tmp_path, capsys):
 def test_unknown_partitioner_is_a_usage_error():
     with pytest.raises(SystemExit):
         main(["partition", "--partitioner", "random"])
+
+
+def test_usage_errors_are_one_line(capsys):
+    for argv in (["fuse"], ["simulate", "--num-clients", "x"], ["no-such-command"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ": error: " in err, err
