@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
-from fedfuse.data import load_npz_dataset
+from fedfuse.data import ImageDataset, load_npz_dataset
 from fedfuse.fusion import FUSION_METHODS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.importance import importance_scores
-from fedfuse.models import build_model
+from fedfuse.models import LeveledModel, build_model
 from fedfuse.runtime import limit_threads, seed_everything
 from fedfuse.scenario import RunSettings, Scenario, client_seed, scores_sample
+from fedfuse.site_cache import CachedSite, SiteCache
 from fedfuse.training import train
 from fedfuse.uploads import ClientUpload
 from fedfuse.validation import load_validated_state
@@ -46,13 +48,74 @@ def train_site(
     seed = client_seed(settings, partition_id)
     seed_everything(seed)
     clock = _PhaseClock()
-    if data_path:
-        data = load_npz_dataset(data_path)
-    else:
-        data = Scenario(settings, num_partitions).client_data(partition_id)
-    clock.lap("load")
-    spec = settings.model_spec_for(data)
     name = f"client {partition_id}"
+    cache = SiteCache(settings.site_cache) if settings.site_cache and not data_path else None
+    cached = cache.load(settings, partition_id, num_partitions) if cache else None
+    data: ImageDataset | None = None
+
+    def site_data() -> ImageDataset:
+        nonlocal data
+        if data is None:
+            if data_path:
+                data = load_npz_dataset(data_path)
+            else:
+                data = Scenario(settings, num_partitions).client_data(partition_id)
+            clock.lap("load")
+        return data
+
+    if cached is not None:
+        log.info("%s: trained model loaded from %s", name, settings.site_cache)
+        model, facts = cached.model, cached.facts
+    else:
+        model, facts = _train(settings, site_data(), seed, initial_state, name, clock)
+    scores = cached.scores.get(settings.score_method) if cached else None
+    if scores is None:
+        inputs, labels = scores_sample(site_data(), settings.score_samples, seed)
+        scores = importance_scores(
+            model,
+            inputs,
+            labels,
+            method=settings.score_method,
+            n_steps=settings.score_steps,
+            device=settings.device,
+        )
+        clock.lap("score")
+    grams = None  # sent only when a method of the run reads them (they are large)
+    if strategy_needs_grams(settings.strategy):
+        grams = cached.grams if cached else None
+        if grams is None:
+            grams = level_grams(model, site_data().inputs())
+            clock.lap("grams")
+    if cache is not None and (cached is None or data is not None):
+        kept = grams if grams is not None else (cached.grams if cached else None)
+        entry = CachedSite(model, facts, dict(cached.scores) if cached else {}, kept)
+        entry.scores[settings.score_method] = scores
+        cache.save(settings, partition_id, num_partitions, entry)
+    return ClientUpload(
+        model=model.cpu(),
+        scores=scores,
+        num_examples=int(facts["num_examples"]),
+        class_counts=[int(c) for c in facts["class_counts"]],
+        partition_id=partition_id,
+        num_partitions=num_partitions,
+        score_method=settings.score_method,
+        init=settings.init,
+        train_loss=float(facts["train_loss"]),
+        grams=grams,
+        seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
+    )
+
+
+def _train(
+    settings: RunSettings,
+    data: ImageDataset,
+    seed: int,
+    initial_state: dict[str, torch.Tensor] | None,
+    name: str,
+    clock: _PhaseClock,
+) -> tuple[LeveledModel, dict[str, Any]]:
+    """The site's model trained on ``data``, and the facts it reports about its training."""
+    spec = settings.model_spec_for(data)
     if settings.init == "shared":
         if not initial_state:
             raise ValueError(f"{name}: init='shared' but the server sent no initial model")
@@ -63,34 +126,15 @@ def train_site(
         model, data, settings.train_config(), seed=seed, device=settings.device, description=name
     )
     clock.lap("train")
-    inputs, labels = scores_sample(data, settings.score_samples, seed)
-    scores = importance_scores(
-        model,
-        inputs,
-        labels,
-        method=settings.score_method,
-        n_steps=settings.score_steps,
-        device=settings.device,
-    )
-    clock.lap("score")
-    grams = None
-    if strategy_needs_grams(settings.strategy):
-        grams = level_grams(model, data.inputs())
-        clock.lap("grams")
-    log.info("%s: trained on %d samples, final loss %.4f", name, len(data), losses[-1])
-    return ClientUpload(
-        model=model.cpu(),
-        scores=scores,
-        num_examples=len(data),
-        class_counts=torch.bincount(data.labels, minlength=data.num_classes).tolist(),
-        partition_id=partition_id,
-        num_partitions=num_partitions,
-        score_method=settings.score_method,
-        init=settings.init,
-        train_loss=float(losses[-1]) if losses else float("nan"),
-        grams=grams,
-        seconds=clock.laps,
-    )
+    train_loss = float(losses[-1]) if losses else float("nan")
+    log.info("%s: trained on %d samples, final loss %.4f", name, len(data), train_loss)
+    facts = {
+        "num_examples": len(data),
+        "class_counts": torch.bincount(data.labels, minlength=data.num_classes).tolist(),
+        "train_loss": train_loss,
+        "seconds": dict(clock.laps),
+    }
+    return model, facts
 
 
 class _PhaseClock:
@@ -107,6 +151,7 @@ class _PhaseClock:
 
 
 def strategy_needs_grams(strategy: str) -> bool:
-    """Whether one of the server's fusion methods needs the sites' level Gram matrices (RegMean)."""
+    """Whether one of the server's fusion methods reads the sites' level Gram matrices (RegMean),
+    as its declared :meth:`~fedfuse.fusion.FusionMethod.needs` say (at its default options)."""
     names = [name.strip() for name in strategy.split(",")]
-    return any("grams" in FUSION_METHODS[n].requires for n in names if n in FUSION_METHODS)
+    return any("grams" in FUSION_METHODS[n]().needs() for n in names if n in FUSION_METHODS)

@@ -141,14 +141,6 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------- fusion
-def _uses_scores(cls: type[FusionMethod], options: dict[str, Any]) -> bool:
-    """Whether the method weights neurons by importance with these options."""
-    if "scores" in cls.requires:
-        return True
-    defaults = cls.option_defaults()
-    return "use_scores" in defaults and bool(options.get("use_scores", defaults["use_scores"]))
-
-
 def _describe(spec: ModelSpec) -> str:
     shape = "x".join(str(d) for d in spec.input_shape)
     widths = ",".join(str(w) for w in spec.widths)
@@ -252,14 +244,11 @@ def fuse_pool(
     use_scores: bool = True,
 ) -> FusionResult:
     """Fuse ``pool``'s models with ``fusion``, after checking that it has what the method needs."""
-    method, cls = fusion.name, type(fusion)
-    options = fusion.options()
+    method = fusion.name
     fusion.check_run(len(pool.models), pool.spec)
-    needed = set(cls.requires)
-    if use_scores and _uses_scores(cls, options):
-        needed.add("scores")
-    if options.get("head_weights"):
-        needed.add("class_counts")
+    needed = set(fusion.requirements())
+    if use_scores and "scores" in fusion.needs():
+        needed.add("scores")  # a method weighting by scores gets the checkpoints' own, or stops
     if fusion_data is not None:
         check_data_fits(fusion_data, pool.spec, f"fusion data {fusion_data.name!r}")
     elif "data" in needed:

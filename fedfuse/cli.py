@@ -175,12 +175,34 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
         raise ValueError("; ".join(problems))
 
 
+def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, int]:
+    """The run config that Hydra ``overrides`` describe, plus the Flower-only ``extra`` keys
+    (a key set on both sides is an error), and the number of sites (``sites=``)."""
+    from flwr.common.config import parse_config_args
+
+    from .config import FLOWER_ONLY_KEYS, compose, settings_from_config
+
+    cfg = compose(overrides)
+    settings = settings_from_config(cfg)
+    from_hydra = {k: v for k, v in settings.to_config().items() if k not in FLOWER_ONLY_KEYS}
+    given = parse_config_args([extra]) if extra.strip() else {}
+    both = sorted(set(given) & set(from_hydra))
+    if both:
+        raise ValueError(
+            f"run config key(s) {both} are set by the Hydra overrides too; set them one way "
+            "(--run-config is for Flower-only keys: " + ", ".join(FLOWER_ONLY_KEYS) + ")"
+        )
+    return _toml_assignments({**from_hydra, **given}), int(cfg.sites)
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Run the app as a local simulation and report its result file's status."""
     from .report import format_accuracy_table
 
-    if args.num_clients < 2:
+    if args.num_clients is not None and args.num_clients < 2:
         raise ValueError(f"--num-clients must be at least 2, got {args.num_clients}")
+    if not args.overrides:
+        args.num_clients = args.num_clients or 2
     if args.gpus_per_client < 0 or args.cpus_per_client < 1:
         raise ValueError("--cpus-per-client must be >= 1 and --gpus-per-client >= 0")
     app = _find_app(args.app)
@@ -196,8 +218,12 @@ def simulate(args: argparse.Namespace) -> int:
 
     output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
+    run_config = args.run_config
+    if args.overrides:
+        run_config, sites = _run_config_from_overrides(args.overrides, args.run_config)
+        args.num_clients = args.num_clients or sites
     config = simulation_run_config(
-        args.run_config, output_dir, args.num_clients, args.cpus_per_client, _app_config_keys(app)
+        run_config, output_dir, args.num_clients, args.cpus_per_client, _app_config_keys(app)
     )
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
@@ -314,7 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = commands.add_parser("simulate", help="run the Flower app as a local simulation")
     sim.add_argument("--app", help="Flower app directory (default: this checkout)")
-    sim.add_argument("--num-clients", type=int, default=2)
+    sim.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides of configs/compare.yaml (e.g. partition=dirichlet sites=4 "
+        "method=regmean); they set the run config, --run-config adds Flower-only keys",
+    )
+    sim.add_argument("--num-clients", type=int, help="sites (default: sites= or 2)")
     sim.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per site")
     sim.add_argument(
         "--gpus-per-client",
@@ -354,17 +386,54 @@ def build_parser() -> argparse.ArgumentParser:
     insp.set_defaults(handler=inspect_checkpoint)
 
     from . import checkpoint_fusion, deployment
-    from .experiments import bench, scale, speed
+    from .experiments import scale, speed
 
     checkpoint_fusion.register_cli(commands)
     deployment.register_cli(commands)
-    bench.register_cli(commands)
+    for name, text in HYDRA_COMMANDS.items():  # parsed by Hydra, see main()
+        commands.add_parser(name, help=text, add_help=False)
+    commands.add_parser(
+        "report",
+        help="tables and plots of a compare sweep: fedfuse report <sweep dir>",
+        add_help=False,
+    )
     speed.register_cli(commands)
     scale.register_cli(commands)
     return parser
 
 
+#: subcommands whose arguments Hydra parses (overrides, -m, --cfg job, --help)
+HYDRA_COMMANDS = {
+    "compare": "compare fusion methods across partition configs (a Hydra app: "
+    "fedfuse compare -m partition=sharded,dirichlet sites=2,4,8 method=kf-linear,regmean)",
+    "bench": "a packaged experiment preset: fedfuse bench fmnist-sharded-2 [overrides] "
+    "(= fedfuse compare -m experiment=fmnist-sharded-2)",
+}
+
+
+def _delegate(command: str, rest: list[str]) -> int:
+    """Run a subcommand that parses its own arguments (Hydra apps, the report)."""
+    if command == "report":
+        from .experiments import report
+
+        return int(report.main(rest) or 0)
+    from .experiments import compare
+
+    if command == "bench":
+        if not rest or rest[0].startswith("-") or "=" in rest[0]:
+            from .config import available_options
+
+            names = ", ".join(available_options("experiment"))
+            print(f"usage: fedfuse bench <preset> [overrides]; presets: {names}", file=sys.stderr)
+            return 2
+        rest = ["-m", f"experiment={rest[0]}", *rest[1:]]
+    return compare.main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and (argv[0] in HYDRA_COMMANDS or argv[0] == "report"):
+        return _delegate(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     from .runtime import configure_logging
 

@@ -43,6 +43,7 @@ class RunSettings:
     partitioner: str = "sharded"
     dirichlet_alpha_min: float = 1.0
     dirichlet_min_max_ratio: float = 0.2
+    sharded_class_groups: str = ""
     train_samples: int = 0
     seed: int = 0
     model: str = "mlp"
@@ -70,6 +71,7 @@ class RunSettings:
     reply_timeout: float = 1800.0
     max_in_flight: int = 0
     output_dir: str = "outputs"
+    site_cache: str = ""
     device: str = "auto"
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -82,6 +84,7 @@ class RunSettings:
             raise ValueError(
                 f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
             )
+        self.class_groups()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, allow_unknown: bool = False) -> RunSettings:
@@ -115,6 +118,32 @@ class RunSettings:
             for f in dataclasses.fields(self)
             if f.name != "extra"
         }
+
+    def class_groups(self) -> list[list[int]] | None:
+        """``sharded-class-groups`` ("0,1,3;2,7": a group of classes per site) as lists."""
+        if not self.sharded_class_groups.strip():
+            return None
+        try:
+            groups = [
+                [int(c) for c in group.split(",") if c.strip()]
+                for group in self.sharded_class_groups.split(";")
+            ]
+        except ValueError:
+            raise ValueError(
+                "sharded-class-groups must be class ids, commas within a site's group and "
+                f"semicolons between sites (e.g. '0,1,3;2,7'), got {self.sharded_class_groups!r}"
+            ) from None
+        owner: dict[int, int] = {}
+        for index, group in enumerate(groups):
+            if not group:
+                raise ValueError(f"sharded-class-groups: group {index} is empty")
+            for c in group:
+                if c in owner:
+                    raise ValueError(
+                        f"sharded-class-groups: class {c} is in groups {owner[c]} and {index}"
+                    )
+                owner[c] = index
+        return groups
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -212,6 +241,8 @@ class Scenario:
         s = self.settings
         if s.partitioner == "dirichlet":
             return {"alpha_min": s.dirichlet_alpha_min, "min_max_ratio": s.dirichlet_min_max_ratio}
+        if s.partitioner == "sharded" and s.sharded_class_groups:
+            return {"class_groups": s.class_groups()}
         return {}
 
     def cache_fields(self) -> dict[str, Any]:

@@ -48,9 +48,16 @@ class ClientUpload:
     #: wall time of the site's phases (load, train, score, grams), as the site reported it
     seconds: dict[str, float] = field(default_factory=dict)
 
+    def payload_bytes(self) -> int:
+        """Bytes of the tensors the site uploads: weights, scores and Grams when sent."""
+        tensors = [*self.model.state_dict().values(), *self.scores.values()]
+        tensors += list((self.grams or {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def facts(self) -> dict[str, Any]:
         """The site's facts, JSON-ready (what results files and checkpoint metadata record)."""
         return {
+            "upload_bytes": self.payload_bytes(),
             "partition_id": self.partition_id,
             "num_partitions": self.num_partitions,
             "num_examples": self.num_examples,

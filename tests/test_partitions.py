@@ -416,7 +416,7 @@ def test_registry_contents_and_dispatch():
     via = fp.partition_labels("dirichlet", labels, 3, seed=4, min_max_ratio=0.5)
     assert all(np.array_equal(a, b) for a, b in zip(direct, via, strict=True))
     assert fp.partitioner_options("iid") == ()
-    assert fp.partitioner_options("sharded") == ("num_classes",)
+    assert fp.partitioner_options("sharded") == ("num_classes", "class_groups")
     assert set(fp.partitioner_options("dirichlet")) == {
         "alpha_min",
         "min_max_ratio",
@@ -435,3 +435,27 @@ def test_registry_rejects_unknown_option():
         fp.partition_labels("dirichlet", balanced_labels(), 2, seed=0, alpha=0.5)
     with pytest.raises(ValueError, match=r"'min_size'.*'iid'.*\(none\)"):
         fp.partition_labels("iid", balanced_labels(), 2, seed=0, min_size=3)
+
+
+def test_sharded_with_chosen_class_groups_gives_each_site_its_classes():
+    labels = np.repeat(np.arange(8), 5)
+    groups = [[0, 1, 3, 4, 5, 6], [2, 7]]  # the paper's BloodMNIST hospitals (Table 3)
+    parts = fp.sharded_partition(labels, 2, seed=0, class_groups=groups)
+    for part, group in zip(parts, groups, strict=True):
+        assert sorted(set(labels[part].tolist())) == group
+    assert sum(len(p) for p in parts) == labels.size
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([[0, 1, 2, 3]], "1 groups for 2 clients"),
+        ([[0, 1], [1, 2, 3]], "class 1 is in groups 0 and 1"),
+        ([[0, 1], [2]], r"class\(es\) \[3\] belong to no group"),
+        ([[0, 1], [2, 9]], "class 9 in group 1"),
+        ([[0, 1, 2, 3], []], "group 1 is empty"),
+    ],
+)
+def test_bad_class_groups_are_named(groups, message):
+    with pytest.raises(ValueError, match=message):
+        fp.sharded_partition(np.repeat(np.arange(4), 3), 2, seed=0, class_groups=groups)

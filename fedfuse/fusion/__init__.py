@@ -1,4 +1,12 @@
-"""Fusion methods behind one interface (:class:`FusionMethod`), found by name in a registry."""
+"""Fusion methods behind one interface (:class:`FusionMethod`), found by name in a registry.
+
+One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
+``neuron_interpolation``, ``fs_merge``, ``distillation``) over shared steps, each in one place:
+``base`` (the interface, options and configs), ``inputs`` (checking and resolving
+:class:`FusionInputs`: scores, model and head weights, levels), ``matching`` (neuron costs and
+the Hungarian assignment), ``kmeans``, ``least_squares``, ``alignment``, ``affine``, ``costs``,
+``repair``; training loops live in :mod:`fedfuse.training`.
+"""
 
 from .averaging import FedAvg, VanillaAveraging, average_state_dicts
 from .base import (

@@ -14,6 +14,7 @@ import torch
 
 from ..models import LeveledModel, ModelSpec, build_model
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .inputs import sample_counts
 
 
 def average_state_dicts(
@@ -64,7 +65,7 @@ class FedAvg(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        counts = [float(c) for c in inputs.sample_counts or ()]
+        counts = sample_counts(self.name, inputs, len(models))
         fused = build_model(target, seed=0)  # weights are overwritten; keep the global RNG
         fused.load_state_dict(average_state_dicts(models, counts))
         return fused, {"weights": [c / sum(counts) for c in counts]}

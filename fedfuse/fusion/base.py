@@ -8,6 +8,7 @@ new model. Methods never modify the models they are given.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -16,41 +17,16 @@ import time
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
-
-from ..importance import Scores
 from ..models import LeveledModel, ModelSpec, build_model
 from ..runtime import check_device
 from .alignment import affine_levels
+from .inputs import FusionInputs, check_inputs
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FusionInputs:
-    """What the server holds besides the models; each method says which fields it needs.
-
-    Attributes:
-        data: the fusion set's inputs ``(B, ...)``, normalised like the training data.
-        labels: the fusion set's labels (used only by methods that train on it, e.g. KD, LP).
-        scores: per model, its importance scores by level.
-        sample_counts: per model, the number of training samples it saw (FedAvg weights).
-        class_counts: per model, its training samples per class.
-        grams: per model, by neuron level, the Gram matrix ``X^T X`` of the level's design rows
-            (its inputs with a trailing 1, unfolded for convolutions) summed over the site's own
-            data (RegMean needs no fusion set, only these).
-    """
-
-    data: torch.Tensor | None = None
-    labels: torch.Tensor | None = None
-    scores: Sequence[Scores] | None = None
-    sample_counts: Sequence[int] | None = None
-    class_counts: Sequence[Sequence[int]] | None = None
-    grams: Sequence[dict[int, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -63,11 +39,18 @@ class FusionResult:
 
 
 class FusionMethod(ABC):
-    """Base class of fusion methods: validate, time, and delegate to :meth:`_fuse`."""
+    """Base class of fusion methods: validate, time, and delegate to :meth:`_fuse`.
+
+    What a method reads is declared, not guessed: the class attribute :attr:`requires` (fields
+    of :class:`FusionInputs` it cannot work without, whatever its options), and per configured
+    instance :meth:`requirements` (those its options make indispensable too) and :meth:`needs`
+    (every field it reads). Its options are its constructor's keyword arguments, also as a
+    frozen dataclass (:meth:`config_class`, :meth:`from_config`, :meth:`config`).
+    """
 
     #: registry name, e.g. ``"fedavg"``
     name: ClassVar[str]
-    #: fields of :class:`FusionInputs` the method cannot work without
+    #: fields of :class:`FusionInputs` the method cannot work without, whatever its options
     requires: ClassVar[frozenset[str]] = frozenset()
     #: whether base models must share one architecture spec exactly
     same_spec: ClassVar[bool] = True
@@ -75,6 +58,9 @@ class FusionMethod(ABC):
     retargetable: ClassVar[bool] = False
     #: what the method is, for labels in result tables ("fusion", or e.g. a reference point)
     kind: ClassVar[str] = "fusion"
+    #: whether the method decides the fused widths itself (an explicit target's widths then only
+    #: cap them), so the fused spec may differ from the requested one in its widths
+    chooses_widths: ClassVar[bool] = False
     #: the most base models the method can fuse (None: any number)
     max_models: ClassVar[int | None] = None
     #: whether every level with neurons must be affine (parameter-free ops, then one Linear or
@@ -130,7 +116,7 @@ class FusionMethod(ABC):
                 "for more, use kf-linear, otfusion, fedma, regmean or fedavg"
             )
         if available is not None:
-            lacking = sorted(set(self.requires) - set(available))
+            lacking = sorted(self.requirements() - set(available))
             if lacking:
                 raise ValueError(
                     f"{self.name}: needs {', '.join(_INPUT_NEEDS.get(n, n) for n in lacking)}, "
@@ -150,23 +136,39 @@ class FusionMethod(ABC):
                     "LeveledModel (see fedfuse.models)"
                 )
         self.check_run(len(models), models[0].spec if models else None)
-        if self.same_spec:
-            for index, model in enumerate(models[1:], start=1):
-                if model.spec != models[0].spec:
-                    raise ValueError(
-                        f"{self.name}: model {index} has spec {model.spec.to_dict()}, "
-                        f"model 0 has {models[0].spec.to_dict()}"
-                    )
-        for name in sorted(self.requires):
-            if getattr(inputs, name) is None:
-                raise ValueError(f"{self.name}: needs FusionInputs.{name}, which was not given")
-        for name in ("scores", "sample_counts", "class_counts", "grams"):
-            value = getattr(inputs, name)
-            if value is not None and len(value) != len(models):
+        self._check_models(models)
+        check_inputs(self.name, models, inputs, required=self.requirements(), needs=self.needs())
+
+    def _check_models(self, models: Sequence[LeveledModel]) -> None:
+        """Raise ValueError naming the first model that cannot be fused with model 0: another
+        spec (when ``same_spec``), or other inputs or classes (any method)."""
+        first = models[0].spec
+        for index, model in enumerate(models[1:], start=1):
+            if self.same_spec and model.spec != first:
                 raise ValueError(
-                    f"{self.name}: FusionInputs.{name} has {len(value)} entries "
-                    f"for {len(models)} models"
+                    f"{self.name}: model {index} has spec {model.spec.to_dict()}, "
+                    f"model 0 has {first.to_dict()}"
                 )
+            shape, classes = tuple(model.spec.input_shape), model.spec.num_classes
+            if (shape, classes) != (tuple(first.input_shape), first.num_classes):
+                raise ValueError(
+                    f"{self.name}: model {index} maps inputs of shape {shape} to {classes} "
+                    f"classes, model 0 {tuple(first.input_shape)} to {first.num_classes}"
+                )
+
+    # ------------------------------------------------------------------ declared needs
+    def requirements(self) -> frozenset[str]:
+        """The :class:`FusionInputs` fields this configured instance cannot fuse without:
+        :attr:`requires` plus those its options make indispensable (e.g. ``class_counts`` for
+        ``head_weights``). :meth:`fuse` raises, naming the field, when one is None."""
+        return frozenset(self.requires)
+
+    def needs(self) -> frozenset[str]:
+        """Every :class:`FusionInputs` field this configured instance reads: its
+        :meth:`requirements` plus the fields it uses when they are given (e.g. ``scores`` with
+        ``use_scores``, falling back without them). Any other field may be None: the fused
+        model is the same."""
+        return self.requirements()
 
     @classmethod
     def options_constructor(cls) -> Any:
@@ -200,6 +202,36 @@ class FusionMethod(ABC):
         return {
             name: getattr(self, name) for name in self.accepted_options() if hasattr(self, name)
         }
+
+    # ------------------------------------------------------------------ typed configs
+    @classmethod
+    def config_class(cls) -> type:
+        """A frozen dataclass, ``<Class>Config``, whose fields are exactly the constructor's
+        options with their type hints and defaults (built once per class). Its instances check
+        their values' types as :func:`make_fusion_method` does, and pickle."""
+        config = _CONFIG_CLASSES.get(cls)
+        if config is None:
+            config = _CONFIG_CLASSES[cls] = _make_config_class(cls)
+        return config
+
+    @classmethod
+    def from_config(cls, config: Any) -> FusionMethod:
+        """An instance with the options of ``config``: an instance of :meth:`config_class`, or
+        a mapping of options (unknown options and wrong types are errors naming them)."""
+        expected = cls.config_class()
+        if isinstance(config, Mapping):
+            _check_options(cls, dict(config))
+            config = expected(**config)
+        if not isinstance(config, expected):
+            raise TypeError(
+                f"{cls.name}: from_config takes a {expected.__name__} or a mapping of options, "
+                f"got {type(config).__name__}"
+            )
+        return cls(**_config_values(config))
+
+    def config(self) -> Any:
+        """This instance's options as its :meth:`config_class` (``from_config`` inverts it)."""
+        return type(self).config_class()(**self.options())
 
 
 #: how a missing :class:`FusionInputs` field reads in an error message
@@ -313,6 +345,60 @@ def _check_option_types(cls: type[FusionMethod], options: dict[str, Any]) -> Non
                 raise ValueError(f"fusion method {cls.name!r}: option {error}") from None
 
 
+def _check_options(cls: type[FusionMethod], options: dict[str, Any]) -> None:
+    """Reject options ``cls``'s constructor does not take, and values of the wrong type."""
+    accepted = cls.accepted_options()
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"fusion method {cls.name!r} has no option(s) {unknown}; it accepts "
+            f"{accepted or 'none'}"
+        )
+    _check_option_types(cls, options)
+
+
+_CONFIG_CLASSES: dict[type, type] = {}
+
+
+def _config_values(config: Any) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _config_from_values(cls: type[FusionMethod], values: dict[str, Any]) -> Any:
+    """Unpickle a config: rebuild it through its method class (the dataclass is generated)."""
+    return cls.config_class()(**values)
+
+
+def _make_config_class(cls: type[FusionMethod]) -> type:
+    hints = _option_types(cls)
+    specs = []
+    for name, default in cls.option_defaults().items():
+        default_field = (
+            dataclasses.field() if default is inspect.Parameter.empty else field(default=default)
+        )
+        specs.append((name, hints.get(name, Any), default_field))
+
+    def __post_init__(self: Any) -> None:  # noqa: N807
+        _check_option_types(cls, _config_values(self))
+
+    def __reduce__(self: Any) -> tuple[Any, ...]:  # noqa: N807
+        return (_config_from_values, (cls, _config_values(self)))
+
+    name = f"{cls.__name__}Config"
+    config = dataclasses.make_dataclass(
+        name,
+        specs,
+        frozen=True,
+        namespace={"__post_init__": __post_init__, "__reduce__": __reduce__},
+    )
+    config.__module__ = cls.__module__
+    config.__doc__ = (
+        f"The options of :class:`{cls.__module__}.{cls.__name__}` (fusion method "
+        f"{getattr(cls, 'name', cls.__name__)!r}); see its docstring."
+    )
+    return config
+
+
 def make_fusion_method(name: str, **options: Any) -> FusionMethod:
     """Instantiate the method registered as ``name``; unknown names or options are errors."""
     try:
@@ -321,13 +407,7 @@ def make_fusion_method(name: str, **options: Any) -> FusionMethod:
         raise ValueError(
             f"unknown fusion method {name!r}; known: {sorted(FUSION_METHODS)}"
         ) from None
-    accepted = cls.accepted_options()
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"fusion method {name!r} has no option(s) {unknown}; it accepts {accepted or 'none'}"
-        )
-    _check_option_types(cls, options)
+    _check_options(cls, options)
     return cls(**options)
 
 

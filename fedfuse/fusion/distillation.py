@@ -36,11 +36,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..capture import predict
 from ..models import LeveledModel, ModelSpec, build_model
 from ..runtime import resolve_device
+from ..training import (
+    OPTIMIZERS,
+    fit_with_early_stopping,
+    holdout_split,
+    make_optimizer,
+    make_scheduler,
+)
 from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
 
@@ -49,7 +55,6 @@ log = logging.getLogger(__name__)
 KIND = "trains on the fusion set"
 STUDENT_INITS = ("first", "fresh", "average")
 PROBE_TARGETS = ("ensemble", "labels")
-OPTIMIZERS = ("adamw", "adam", "sgd")
 
 
 def distillation_loss(
@@ -136,16 +141,6 @@ def _check_settings(
         )
 
 
-def _make_optimizer(
-    name: str, params: list[nn.Parameter], lr: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, nesterov=True)
-
-
 def fit_to_teacher(
     module: nn.Module,
     forward: Callable[[torch.Tensor], torch.Tensor],
@@ -160,20 +155,17 @@ def fit_to_teacher(
 ) -> dict[str, Any]:
     r"""Minimise ``kd_weight * L_KD + ce_weight * CE`` of ``forward(inputs[i])`` over the set.
 
-    Only ``module``'s parameters with ``requires_grad`` are optimised. A share ``val_split`` of
-    the rows (none below 10 rows) is held out; after each epoch the loss on it (else on the
-    training rows) is measured, training stops after ``patience`` epochs without improvement
-    (0: never), and the best state of ``module`` is restored. The learning rate follows one
-    cosine cycle over the epochs.
+    Only ``module``'s parameters with ``requires_grad`` are optimised, by
+    :func:`~fedfuse.training.fit_with_early_stopping`: a share ``val_split`` of the rows (none
+    below 10 rows) is held out, the loss on it (else on the training rows) is measured after
+    each epoch, training stops after ``patience`` epochs without improvement (0: never), and the
+    best state of ``module`` is restored. The learning rate follows one cosine cycle over the
+    epochs; ``"sgd"`` is Nesterov momentum 0.9.
 
     Returns:
         ``best_loss``, ``initial_loss`` (monitored set), ``epochs_run``, ``best_epoch``,
-        ``monitored`` and ``train_curve`` (mean training loss per epoch).
+        ``monitored``, ``validation_samples`` and ``train_curve`` (mean training loss per epoch).
     """
-    n = len(inputs)
-    order = torch.randperm(n, generator=generator)
-    n_val = int(round(settings.val_split * n)) if n >= 10 else 0
-    val, train = order[:n_val], order[n_val:]
     device = inputs.device
     teacher = None if teacher_log_probs is None else teacher_log_probs.to(device)
     targets = None if labels is None else labels.to(device)
@@ -188,61 +180,35 @@ def fit_to_teacher(
             loss = loss + settings.ce_weight * F.cross_entropy(logits, targets[idx])
         return loss
 
-    @torch.no_grad()
-    def evaluate(idx: torch.Tensor) -> float:
-        module.eval()
-        total = 0.0
-        for start in range(0, len(idx), 1024):
-            part = idx[start : start + 1024].to(device)
-            total += float(loss_of(part)) * len(part)
-        return total / max(1, len(idx))
-
+    train, val = holdout_split(len(inputs), settings.val_split, generator)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = _make_optimizer(settings.optimizer, params, settings.lr, settings.weight_decay)
-    steps_per_epoch = max(1, math.ceil(len(train) / settings.batch_size))
-    total = max(1, settings.epochs * steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+    optimizer = make_optimizer(
+        settings.optimizer, params, settings.lr, settings.weight_decay, momentum=0.9, nesterov=True
     )
-    monitor = val if n_val else train
-    initial = evaluate(monitor)
-    best, best_epoch, stale = initial, 0, 0
-    best_state = copy.deepcopy(module.state_dict())
-    curve: list[float] = []
-    epoch = 0
-    bar = tqdm(range(settings.epochs), desc=description, disable=not progress, leave=False)
-    for epoch in bar:
-        module.train()
-        shuffled = train[torch.randperm(len(train), generator=generator)]
-        running = 0.0
-        for start in range(0, len(shuffled), settings.batch_size):
-            idx = shuffled[start : start + settings.batch_size].to(device)
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_of(idx)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            running += float(loss.detach()) * len(idx)
-        curve.append(running / max(1, len(train)))
-        current = evaluate(monitor)
-        bar.set_postfix(loss=f"{current:.4g}", refresh=False)
-        if current < best - 1e-12:
-            best, best_epoch, stale = current, epoch + 1, 0
-            best_state = copy.deepcopy(module.state_dict())
-        else:
-            stale += 1
-            if settings.patience and stale >= settings.patience:
-                break
-    module.load_state_dict(best_state)
-    module.eval()
+    steps_per_epoch = max(1, math.ceil(len(train) / settings.batch_size))
+    scheduler = make_scheduler(optimizer, "cosine", max(1, settings.epochs * steps_per_epoch))
+    fit = fit_with_early_stopping(
+        module,
+        loss_of,
+        (train.to(device), val.to(device)),
+        optimizer,
+        epochs=settings.epochs,
+        batch_size=settings.batch_size,
+        patience=settings.patience,
+        generator=generator,
+        scheduler=scheduler,
+        eval_batch_size=1024,
+        progress=progress,
+        description=description,
+    )
     return {
-        "initial_loss": initial,
-        "best_loss": best,
-        "best_epoch": best_epoch,
-        "epochs_run": epoch + 1 if settings.epochs else 0,
-        "monitored": "validation" if n_val else "training",
-        "validation_samples": n_val,
-        "train_curve": curve,
+        "initial_loss": fit.initial_loss,
+        "best_loss": fit.best_loss,
+        "best_epoch": fit.best_epoch,
+        "epochs_run": fit.epochs_run,
+        "monitored": fit.monitored,
+        "validation_samples": fit.validation_samples,
+        "train_curve": fit.train_curve,
     }
 
 
@@ -285,7 +251,8 @@ class KnowledgeDistillation(FusionMethod):
         temperature: :math:`T` (Hinton et al.: 2 to 20; 4 by default).
         ce_weight: :math:`\alpha`, the share of cross-entropy on the fusion labels (0: none).
         epochs, lr, batch_size, weight_decay, optimizer: the optimisation (``"adamw"``,
-            ``"adam"`` or ``"sgd"`` with Nesterov momentum 0.9), one cosine cycle.
+            ``"adam"`` or ``"sgd"`` with Nesterov momentum 0.9; see
+            :func:`~fedfuse.training.make_optimizer`), one cosine cycle.
         val_split, patience: held-out share of the fusion set and early-stopping patience in
             epochs (0: never stop early); the best state on it is kept.
         seed: seeds ``"fresh"`` students, the split and the batch order.
@@ -347,6 +314,12 @@ class KnowledgeDistillation(FusionMethod):
         self.device = device
         self.progress = progress
 
+    def requirements(self) -> frozenset[str]:
+        return self.requires | ({"labels"} if self.ce_weight > 0 else set())
+
+    def needs(self) -> frozenset[str]:
+        return self.requirements() | {"labels"}  # accuracy before/after, in the details
+
     def settings(self) -> FitSettings:
         return FitSettings(
             optimizer=self.optimizer,
@@ -385,14 +358,10 @@ class KnowledgeDistillation(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         started = time.perf_counter()
-        if self.ce_weight > 0 and inputs.labels is None:
-            raise ValueError(f"{self.name}: ce_weight > 0 needs FusionInputs.labels")
         device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
         labels = inputs.labels
-        if labels is not None and len(labels) != len(data):
-            raise ValueError(f"{self.name}: {len(labels)} labels for {len(data)} fusion samples")
         teacher = ensemble_log_probs(models, data, device=device)
         student = self._student(models, target).to(device)
         student.requires_grad_(True)
@@ -511,6 +480,13 @@ class LinearProbe(FusionMethod):
         self.device = device
         self.progress = progress
 
+    def requirements(self) -> frozenset[str]:
+        uses_labels = self.target == "labels" or self.ce_weight > 0
+        return self.requires | ({"labels"} if uses_labels else set())
+
+    def needs(self) -> frozenset[str]:
+        return self.requirements() | {"labels"}  # accuracy before/after, in the details
+
     def settings(self) -> FitSettings:
         ce = 1.0 if self.target == "labels" else self.ce_weight
         return FitSettings(
@@ -533,10 +509,6 @@ class LinearProbe(FusionMethod):
         if self.body >= len(models):
             raise ValueError(f"{self.name}: body={self.body} but only {len(models)} models")
         settings = self.settings()
-        if settings.ce_weight > 0 and inputs.labels is None:
-            raise ValueError(
-                f"{self.name}: target='labels' (or ce_weight > 0) needs FusionInputs.labels"
-            )
         base = models[self.body]
         if target != base.spec:
             raise ValueError(
@@ -547,8 +519,6 @@ class LinearProbe(FusionMethod):
         data = inputs.data
         assert data is not None
         labels = inputs.labels
-        if labels is not None and len(labels) != len(data):
-            raise ValueError(f"{self.name}: {len(labels)} labels for {len(data)} fusion samples")
         teacher = ensemble_log_probs(models, data, device=device)
         probe = copy.deepcopy(base).to(device).eval()
         head_index = probe.neuron_levels[-1]

@@ -66,17 +66,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from ..models import LeveledModel, ModelSpec, build_model
 from .affine import AffineLevel, affine_view
 from .alignment import affine_levels, incoming_by_channel
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .inputs import check_levels, head_weights
+from .matching import linear_assignment
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +216,8 @@ def bbp_map_match(
             sigma0=sigma0,
             gamma=gamma,
         )
-        rows, cols = linear_sum_assignment(gains.cpu().numpy(), maximize=True)
-        target = np.empty(len(v), dtype=np.int64)
-        target[rows] = cols
-        opened = sorted(int(c) for c in cols if c >= existing)
+        target = linear_assignment(gains, maximize=True).numpy()
+        opened = sorted(int(c) for c in target if c >= existing)
         # new columns are numbered after the existing neurons, in column order
         renumber = {c: existing + n for n, c in enumerate(opened)}
         target = np.array([renumber.get(int(c), int(c)) for c in target], dtype=np.int64)
@@ -337,7 +337,8 @@ class FedMAMatching(FusionMethod):
     name = "fedma"
     needs_affine_levels = True
     same_spec = False  # clients may differ in width; everything else must agree
-    retargetable = True  # the global widths come out of the matching
+    retargetable = True
+    chooses_widths = True  # the global widths come out of the matching
 
     def __init__(
         self,
@@ -387,7 +388,7 @@ class FedMAMatching(FusionMethod):
                 )
         return caps
 
-    def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> None:
+    def _check_models(self, models: Sequence[LeveledModel]) -> None:
         reference = models[0].spec
         for index, model in enumerate(models):
             try:
@@ -399,6 +400,9 @@ class FedMAMatching(FusionMethod):
                     f"{self.name}: model {index} has spec {model.spec.to_dict()}, which differs "
                     f"from model 0's {reference.to_dict()} in more than the widths"
                 )
+
+    def _check_target(self, models: list[LeveledModel], target: ModelSpec) -> None:
+        reference = models[0].spec
         try:
             same = target.with_widths(reference.widths) == reference
         except ValueError:
@@ -409,23 +413,14 @@ class FedMAMatching(FusionMethod):
                 f"architecture {reference.to_dict()} in more than the widths"
             )
 
-    def _head_weights(self, inputs: FusionInputs, clients: int, classes: int) -> torch.Tensor:
-        """``(J, C)``: each client's share of each class's training samples (uniform if none)."""
-        if inputs.class_counts is None:
-            return torch.full((clients, classes), 1.0 / clients, dtype=torch.float64)
-        counts = torch.tensor([list(c) for c in inputs.class_counts], dtype=torch.float64)
-        if counts.shape != (clients, classes) or (counts < 0).any():
-            raise ValueError(
-                f"{self.name}: FusionInputs.class_counts must be {clients} lists of {classes} "
-                f"non-negative counts, got shape {tuple(counts.shape)}"
-            )
-        totals = counts.sum(0, keepdim=True)
-        return torch.where(totals > 0, counts / totals.clamp_min(1e-300), 1.0 / clients)
+    def needs(self) -> frozenset[str]:
+        return frozenset({"class_counts"})  # the classifier's mix; uniform without them
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        self._check_structure(models, target)
+        self._check_target(models, target)
+        check_levels(self.name, models)
         caps = self._caps(models, target)
         views = [affine_levels(m) for m in models]
         levels = models[0].neuron_levels
@@ -483,7 +478,7 @@ class FedMAMatching(FusionMethod):
 
         head = levels[-1]
         classes = models[0].spec.num_classes
-        mix = self._head_weights(inputs, len(models), classes)
+        mix = head_weights(self.name, inputs.class_counts, len(models), classes)
         head_rows = torch.zeros(())
         for j, v in enumerate(views):
             rows = _mapped_incoming(

@@ -82,22 +82,28 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..capture import capture_levels
 from ..models import LeveledModel, ModelSpec
 from ..runtime import resolve_device
+from ..training import (
+    OPTIMIZERS,
+    SCHEDULERS,
+    fit_with_early_stopping,
+    holdout_split,
+    make_optimizer,
+    make_scheduler,
+)
 from .affine import AffineLevel, output_rows
 from .alignment import affine_levels
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .inputs import check_levels
 
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ("local", "global")
 INITS = ("first", "average", "zipit")
 HEADS = ("mean", "first")
-SCHEDULERS = ("step", "cosine", "constant")
-OPTIMIZERS = ("sgd", "adam", "adamw")
 #: the authors' scale of the random low-rank factor (``LOW_RANK_FACTOR`` in their code)
 LOW_RANK_FACTOR = 0.1
 #: warm-up epochs of the cosine schedule (App. E.1), capped at a tenth of a short run
@@ -489,13 +495,10 @@ class FSMerge(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         started = time.perf_counter()
-        for model in models:
-            affine_levels(model)  # a ValueError naming the first level that is not affine
+        check_levels(self.name, models)  # a ValueError naming the model and level not affine
         device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
-        if len(data) < 1:
-            raise ValueError(f"{self.name}: the fusion set is empty")
         schedule = self.schedule()
         frozen = [copy.deepcopy(m).to(device).eval().requires_grad_(False) for m in models]
         neuron_levels = frozen[0].neuron_levels
@@ -503,9 +506,9 @@ class FSMerge(FusionMethod):
         widths = [frozen[0].level_width(i) for i in hidden]
         count = len(models)
         generator = torch.Generator().manual_seed(self.seed)
-        order = torch.randperm(len(data), generator=generator)
-        n_val = int(round(self.val_split * len(data))) if len(data) >= 10 else 0
-        split = (order[n_val:].to(device), order[:n_val].to(device))
+        train, val = holdout_split(len(data), self.val_split, generator)
+        n_val = len(val)
+        split = (train.to(device), val.to(device))
         between = [
             nn.Sequential(*frozen[0].levels[a + 1 : b])
             for a, b in zip(neuron_levels[:-1], neuron_levels[1:], strict=True)
@@ -683,11 +686,11 @@ class FSMerge(FusionMethod):
     ) -> dict[str, Any]:
         """Minimise the (normalised) reconstruction error of ``predict(idx)`` to ``targets[idx]``.
 
-        Evaluates the monitored loss (validation rows if any, else training rows) about
-        ``eval_points`` times, keeps the best parameters, and restores them at the end.
+        :func:`~fedfuse.training.fit_with_early_stopping`, evaluating the monitored loss
+        (validation rows if any, else training rows) about ``eval_points`` times and keeping the
+        best parameters; ``"sgd"`` is classical momentum ``schedule.momentum``.
         """
-        train, val = split
-        monitor = val if len(val) else train
+        train = split[0]
         shape = [1, -1] + [1] * (targets.dim() - 2)
         if self.normalize_targets:
             blocks = targets[train].split(targets.shape[1] // count, dim=1)
@@ -697,83 +700,50 @@ class FSMerge(FusionMethod):
         else:
             weights = torch.ones(targets.shape[1], device=targets.device)
         weights = weights.view(shape).to(targets.device)
-        chunk = self.batch_size or len(targets)
 
         def loss_of(idx: torch.Tensor) -> torch.Tensor:
             return (((predict(idx) - targets[idx]) ** 2) * weights).mean()
 
-        @torch.no_grad()
-        def evaluate(idx: torch.Tensor) -> float:
-            total = 0.0
-            for start in range(0, len(idx), chunk):
-                part = idx[start : start + chunk]
-                total += float(loss_of(part)) * len(part)
-            return total / max(1, len(idx))
-
         params = [p for p in net.parameters() if p.requires_grad]
-        optimizer = _make_optimizer(
-            self.optimizer, params, schedule.lr, schedule.momentum, self.weight_decay
+        optimizer = make_optimizer(
+            self.optimizer, params, schedule.lr, self.weight_decay, momentum=schedule.momentum
         )
         batch = len(train) if self.batch_size is None else min(self.batch_size, len(train))
         steps_per_epoch = max(1, math.ceil(len(train) / batch))
-        total = schedule.epochs * steps_per_epoch
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(schedule.scheduler, total, steps_per_epoch, schedule.epochs)
+        epochs = schedule.epochs
+        milestones = [round(epochs / 3) * steps_per_epoch, round(2 * epochs / 3) * steps_per_epoch]
+        scheduler = make_scheduler(
+            optimizer,
+            schedule.scheduler,
+            epochs * steps_per_epoch,
+            warmup_steps=min(COSINE_WARMUP_EPOCHS, epochs // 10) * steps_per_epoch,
+            milestones=[m for m in milestones if m > 0],
+            gamma=STEP_GAMMA,
         )
-        every = max(1, schedule.epochs // self.eval_points)
-        initial = evaluate(monitor)
-        curve: list[tuple[int, float]] = [(0, initial)]
-        best, best_epoch, stale = initial, 0, 0
-        best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-        epoch = 0
-        bar = tqdm(range(schedule.epochs), desc=description, disable=not self.progress, leave=False)
-        for epoch in bar:
-            net.train()
-            shuffled = (
-                train
-                if batch == len(train)
-                else train[torch.randperm(len(train), generator=generator).to(train.device)]
-            )
-            for start in range(0, len(shuffled), batch):
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_of(shuffled[start : start + batch])
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-            done = epoch + 1
-            if done % every and done != schedule.epochs:
-                continue
-            current = evaluate(monitor)
-            curve.append((done, current))
-            bar.set_postfix(loss=f"{current:.4g}", refresh=False)
-            if not math.isfinite(current):
-                log.warning(
-                    "%s: the loss diverged at epoch %d (lr %.3g too large?); keeping the best "
-                    "state, from epoch %d",
-                    description,
-                    done,
-                    schedule.lr,
-                    best_epoch,
-                )
-                break
-            if current < best:
-                best, best_epoch, stale = current, done, 0
-                best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-            else:
-                stale += 1
-                if self.patience and stale >= self.patience:
-                    break
-        epochs_run = epoch + 1 if schedule.epochs else 0
-        net.load_state_dict(best_state)
-        net.eval()
+        fit = fit_with_early_stopping(
+            net,
+            loss_of,
+            split,
+            optimizer,
+            epochs=epochs,
+            batch_size=self.batch_size,
+            patience=self.patience,
+            generator=generator,
+            scheduler=scheduler,
+            eval_every=max(1, epochs // self.eval_points),
+            eval_batch_size=self.batch_size,
+            min_delta=0.0,
+            progress=self.progress,
+            description=description,
+        )
         return {
-            "initial_loss": initial,
-            "best_loss": best,
-            "final_loss": curve[-1][1],
-            "best_epoch": best_epoch,
-            "epochs_run": epochs_run,
-            "monitored": "validation" if len(val) else "training",
-            "curve": curve,
+            "initial_loss": fit.initial_loss,
+            "best_loss": fit.best_loss,
+            "final_loss": fit.final_loss,
+            "best_epoch": fit.best_epoch,
+            "epochs_run": fit.epochs_run,
+            "monitored": fit.monitored,
+            "curve": fit.curve,
         }
 
     @torch.no_grad()
@@ -838,35 +808,3 @@ class FSMerge(FusionMethod):
             if target_layer.bias is not None:
                 target_layer.bias.copy_((merge @ torch.cat(biases)).to(target_layer.bias.dtype))
         return fused.eval()
-
-
-def _make_optimizer(
-    name: str, params: list[nn.Parameter], lr: float, momentum: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
-
-
-def _lr_lambda(
-    scheduler: str, total: int, steps_per_epoch: int, epochs: int
-) -> Callable[[int], float]:
-    """Learning-rate factor per step for the App. E.1 schedules."""
-    if scheduler == "constant":
-        return lambda step: 1.0
-    if scheduler == "step":
-        milestones = [round(epochs / 3) * steps_per_epoch, round(2 * epochs / 3) * steps_per_epoch]
-        return lambda step: STEP_GAMMA ** sum(step >= m for m in milestones if m > 0)
-    warmup = min(COSINE_WARMUP_EPOCHS, epochs // 10) * steps_per_epoch
-
-    def cosine(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return cosine

@@ -14,7 +14,7 @@ the permutation of ``B``'s neurons onto ``A``'s solves the linear assignment pro
         \bigl\lVert z^A_i - z^B_{\pi(i)} \bigr\rVert^2 \quad\text{(``"l2"``)},
 
 with :math:`\operatorname{corr}` the Pearson correlation over the rows (each neuron
-standardised), solved exactly by the Hungarian algorithm (SciPy's ``linear_sum_assignment``).
+standardised), solved exactly by :func:`~fedfuse.fusion.matching.linear_assignment` (Hungarian).
 ``B``'s neurons are reordered with :func:`~fedfuse.fusion.alignment.permute_level` (the next
 level's inputs follow, so ``B``'s function is unchanged) and the two are averaged. The classifier's
 outputs (the classes) are never permuted.
@@ -46,7 +46,6 @@ import time
 from typing import Any
 
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from ..capture import capture_levels
 from ..importance import SCORE_METHODS
@@ -54,50 +53,13 @@ from ..models import LeveledModel, ModelSpec, build_model
 from ..runtime import resolve_device
 from .alignment import affine_levels, permute_level
 from .base import FusionInputs, FusionMethod, register_fusion_method
-from .otfusion import (
-    averaging_weights,
-    check_levels,
-    neuron_rows,
-    resolve_scores,
-    squared_distances,
-)
+from .inputs import averaging_weights, check_levels, resolve_scores
+from .matching import correlation, linear_assignment, squared_distances
 from .repair import repair as repair_model
 
 log = logging.getLogger(__name__)
 
 MATCHING_COSTS = ("correlation", "l2")
-
-
-def correlation(
-    a: torch.Tensor, b: torch.Tensor, batch_size: int = 256, eps: float = 1e-12
-) -> torch.Tensor:
-    """Pearson correlation ``(n, m)`` between the neurons of ``a`` and ``b``.
-
-    Args:
-        a, b: level outputs ``(N, n, ...)`` and ``(N, m, ...)`` (or ``(R, n)`` matrices); a
-            neuron's values are its column of :func:`~fedfuse.fusion.affine.output_rows`.
-        batch_size: samples per float64 chunk (two passes: means, then centred products).
-        eps: floor of a neuron's norm; a constant (dead) neuron has correlation 0 with all.
-    """
-    if len(a) != len(b):
-        raise ValueError(f"{len(a)} and {len(b)} rows: neurons must be seen on the same inputs")
-    means = []
-    for z in (a, b):
-        total, rows = z.new_zeros(z.shape[1], dtype=torch.float64), 0
-        for chunk in neuron_rows(z, batch_size):
-            total += chunk.sum(0)
-            rows += len(chunk)
-        means.append(total / max(rows, 1))
-    cross = a.new_zeros(a.shape[1], b.shape[1], dtype=torch.float64)
-    norms_a = a.new_zeros(a.shape[1], dtype=torch.float64)
-    norms_b = a.new_zeros(b.shape[1], dtype=torch.float64)
-    for za, zb in zip(neuron_rows(a, batch_size), neuron_rows(b, batch_size), strict=True):
-        za, zb = za - means[0], zb - means[1]
-        cross += za.T @ zb
-        norms_a += (za * za).sum(0)
-        norms_b += (zb * zb).sum(0)
-    scale = norms_a.sqrt().clamp_min(eps)[:, None] * norms_b.sqrt().clamp_min(eps)[None]
-    return cross / scale
 
 
 def match_neurons(
@@ -125,8 +87,7 @@ def match_neurons(
         if cost == "correlation"
         else squared_distances(a, b, batch_size)
     )
-    rows, cols = linear_sum_assignment(matrix.cpu().numpy())
-    permutation = torch.as_tensor(cols, dtype=torch.long)[torch.as_tensor(rows).argsort()]
+    permutation = linear_assignment(matrix)
     matched = matrix[torch.arange(len(permutation)), permutation.to(matrix.device)].mean()
     return permutation, float(-matched if cost == "correlation" else matched)
 
@@ -177,6 +138,17 @@ class GitReBasin(FusionMethod):
         self.device = device
         self.batch_size_capture = batch_size_capture
 
+    def requirements(self) -> frozenset[str]:
+        return self.requires | ({"sample_counts"} if self.weighted_average else set())
+
+    def needs(self) -> frozenset[str]:
+        needed = set(self.requirements())
+        if self.use_scores:
+            needed.add("scores")
+            if self.fallback_scores != "uniform":
+                needed.add("labels")
+        return frozenset(needed)
+
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
@@ -186,7 +158,9 @@ class GitReBasin(FusionMethod):
         assert inputs.data is not None
         weights = averaging_weights(self.name, inputs, 2, self.weighted_average)
         scores = (
-            resolve_scores(self.name, models, inputs, self.fallback_scores, self.device)
+            resolve_scores(
+                self.name, models, inputs, fallback=self.fallback_scores, device=self.device
+            )
             if self.use_scores
             else None
         )

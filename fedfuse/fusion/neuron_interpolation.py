@@ -17,27 +17,28 @@ weighted per class by each model's share of that class's training samples (``hea
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..capture import capture_levels
-from ..importance import SCORE_METHODS, Scores, importance_scores, normalize_scores, uniform_scores
+from ..importance import SCORE_METHODS
 from ..models import LeveledModel, ModelSpec, build_model
 from ..runtime import resolve_device
-from ..validation import validate_scores
+from ..training import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
 from .affine import affine_view, output_rows
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .costs import cluster_targets, representation_cost
+from .inputs import head_weights as resolve_head_weights
+from .inputs import resolve_scores
 from .kmeans import point_costs, weighted_centers, weighted_kmeans
 from .least_squares import accumulate_normal_equations, gram_basis, kernel_basis
+from .matching import linear_assignment, pair_labels
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,11 @@ APPROXIMATIONS = ("linear", "gradient")
 
 @dataclass(frozen=True)
 class GradientPreset:
-    """Hyper-parameters of the Gradient variant (paper Table 9)."""
+    """Hyper-parameters of the Gradient variant (paper Table 9).
+
+    ``optimizer``/``last_optimizer`` (hidden levels / the classifier) are
+    :func:`~fedfuse.training.make_optimizer` names; ``"sgd"`` here is classical momentum 0.9.
+    """
 
     optimizer: str
     lr: float
@@ -72,18 +77,12 @@ GRADIENT_PRESETS = {
 }
 
 
-def _optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; choose adamw, adam or sgd")
-
-
 class NeuronInterpolation(FusionMethod):
     """Neuron-interpolation fusion with a choice of grouping and approximation.
+
+    The shared base of :class:`HFLinear`, :class:`HFGradient`, :class:`KFLinear` and
+    :class:`KFGradient` (the registered methods, each taking only the options below that apply
+    to it).
 
     Args:
         grouping: ``"hungarian"`` (HF: two models of equal width, one-to-one) or ``"kmeans"``
@@ -105,7 +104,7 @@ class NeuronInterpolation(FusionMethod):
             (None: the preset's value) override it.
         epochs, last_epochs, lr, last_lr, epsilon, batch_size, patience: Gradient overrides;
             ``epsilon`` interpolates the initial level weights from model 0's level (0) to a
-            fresh initialisation (1).
+            fresh initialisation (1); ``patience`` 0 never stops early.
         weighted_loss: Gradient: weight each fused neuron's MSE by its cluster's importance.
         seed: seeds k-means, fresh initialisations and the validation split.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
@@ -119,24 +118,6 @@ class NeuronInterpolation(FusionMethod):
     requires = frozenset({"data"})
     same_spec = False
     retargetable = True
-    #: options that only some variants use (see :meth:`accepted_options`)
-    _LINEAR_ONLY: ClassVar[frozenset[str]] = frozenset({"ridge", "rcond", "gram_precision"})
-    _GRADIENT_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {
-            "preset",
-            "epochs",
-            "last_epochs",
-            "lr",
-            "last_lr",
-            "epsilon",
-            "batch_size",
-            "patience",
-            "weighted_loss",
-        }
-    )
-    _KMEANS_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {"n_init", "max_iter", "tol", "local_search_swaps"}
-    )
 
     def __init__(
         self,
@@ -180,6 +161,8 @@ class NeuronInterpolation(FusionMethod):
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
         if (ridge is not None and ridge < 0) or rcond <= 0:
             raise ValueError(f"ridge must be >= 0 and rcond > 0, got {ridge} and {rcond}")
+        if patience is not None and patience < 0:
+            raise ValueError(f"patience must be >= 0 (0: never stop early), got {patience}")
         self.grouping = grouping
         self.approximation = approximation
         self.use_scores = use_scores
@@ -214,18 +197,16 @@ class NeuronInterpolation(FusionMethod):
         return torch.float32 if self.gram_precision == "float32" else torch.float64
 
     # ------------------------------------------------------------------ configuration
-    @classmethod
-    def option_defaults(cls) -> dict[str, Any]:
-        options = super().option_defaults()
-        fixed = getattr(cls, "fixed", {})
-        drop = set(fixed)
-        if fixed.get("approximation") == "linear":
-            drop |= cls._GRADIENT_ONLY
-        if fixed.get("approximation") == "gradient":
-            drop |= cls._LINEAR_ONLY
-        if fixed.get("grouping") == "hungarian":
-            drop |= cls._KMEANS_ONLY
-        return {name: default for name, default in options.items() if name not in drop}
+    def requirements(self) -> frozenset[str]:
+        return self.requires | ({"class_counts"} if self.head_weights else set())
+
+    def needs(self) -> frozenset[str]:
+        needed = set(self.requirements())
+        if self.use_scores:
+            needed.add("scores")
+            if self.fallback_scores != "uniform":
+                needed.add("labels")
+        return frozenset(needed)
 
     def gradient_settings(self) -> GradientPreset:
         """The preset with this instance's overrides applied."""
@@ -270,61 +251,14 @@ class NeuronInterpolation(FusionMethod):
                     f"(got {len(models)} models, widths {sorted(widths)}); use K-means Fusion"
                 )
 
-    def _scores(self, models: list[LeveledModel], inputs: FusionInputs) -> list[Scores]:
-        if not self.use_scores:
-            raw = [uniform_scores(m) for m in models]
-        elif inputs.scores is not None:
-            raw = list(inputs.scores)
-            for index, (model, scores) in enumerate(zip(models, raw, strict=True)):
-                validate_scores(model, scores, source=f"{self.name}: scores of model {index}")
-        else:
-            log.info(
-                "%s: no scores given; computing %s scores on the fusion set",
-                self.name,
-                self.fallback_scores,
-            )
-            raw = [
-                importance_scores(
-                    m, inputs.data, inputs.labels, method=self.fallback_scores, device=self.device
-                )
-                for m in models
-            ]
-        return [normalize_scores(s, self.score_normalization) for s in raw]
-
-    def _head_weights(self, models: list[LeveledModel], inputs: FusionInputs) -> torch.Tensor:
-        """``(models, classes)`` weights of each model's logits, summing to 1 per class."""
-        classes = models[0].spec.num_classes
-        weights = torch.ones(len(models), classes, dtype=torch.float64)
-        if self.head_weights:
-            if inputs.class_counts is None:
-                raise ValueError(f"{self.name}: head_weights needs FusionInputs.class_counts")
-            counts = torch.tensor([list(c) for c in inputs.class_counts], dtype=torch.float64)
-            if counts.shape != weights.shape:
-                raise ValueError(
-                    f"{self.name}: class_counts has shape {tuple(counts.shape)}, "
-                    f"expected {tuple(weights.shape)}"
-                )
-            seen = counts.sum(0) > 0
-            weights[:, seen] = counts[:, seen]
-        return weights / weights.sum(0, keepdim=True)
-
     # ------------------------------------------------------------------ grouping
     def _group(
         self, points: torch.Tensor, weights: torch.Tensor, widths: list[int], k: int
     ) -> torch.Tensor:
         """Fused neuron of each base neuron; ``points`` are base neurons as rows."""
         if self.grouping == "hungarian":
-            a, b = points[: widths[0]], points[widths[0] :]
-            wa, wb = weights[: widths[0]], weights[widths[0] :]
-            pair = (wa[:, None] * wb[None]) / (wa[:, None] + wb[None]).clamp_min(1e-30)
-            cost = pair * torch.cdist(a, b).pow(2)
-            rows, cols = linear_sum_assignment(cost.cpu().numpy())
-            labels = torch.empty(len(points), dtype=torch.long, device=points.device)
-            labels[: widths[0]] = torch.arange(widths[0], device=points.device)
-            labels[widths[0] + torch.as_tensor(cols, device=points.device)] = torch.as_tensor(
-                rows, device=points.device
-            )
-            return labels
+            split = widths[0]
+            return pair_labels(points[:split], points[split:], weights[:split], weights[split:])
         result = weighted_kmeans(
             points.float(),
             weights,
@@ -338,10 +272,7 @@ class NeuronInterpolation(FusionMethod):
         labels = result.labels
         if k == widths[0]:  # order clusters like model 0's neurons (for base-weight initialisation)
             centers, _ = weighted_centers(points, weights, labels, k)
-            cost = torch.cdist(centers, points[: widths[0]]).pow(2)
-            rows, cols = linear_sum_assignment(cost.cpu().numpy())
-            order = torch.empty(k, dtype=torch.long)
-            order[torch.as_tensor(rows)] = torch.as_tensor(cols)
+            order = linear_assignment(torch.cdist(centers, points[: widths[0]]).pow(2))
             labels = order.to(labels.device)[labels]
         return labels
 
@@ -353,7 +284,15 @@ class NeuronInterpolation(FusionMethod):
         device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
-        scores = self._scores(models, inputs)
+        scores = resolve_scores(
+            self.name,
+            models,
+            inputs,
+            use_scores=self.use_scores,
+            fallback=self.fallback_scores,
+            normalization=self.score_normalization,
+            device=self.device,
+        )
         fused = build_model(target, seed=self.seed).to(device).eval()
         neuron_levels = fused.neuron_levels
         captured = [
@@ -368,7 +307,12 @@ class NeuronInterpolation(FusionMethod):
             )
             for m in models
         ]
-        head = self._head_weights(models, inputs)
+        head = resolve_head_weights(
+            self.name,
+            inputs.class_counts if self.head_weights else None,
+            len(models),
+            models[0].spec.num_classes,
+        )
         details: dict[str, Any] = {
             "variant": f"{self.grouping}-{self.approximation}",
             "levels": [],
@@ -512,7 +456,7 @@ class NeuronInterpolation(FusionMethod):
         )
         neuron_weights = (mass / mass.mean()).float() if self.weighted_loss else None
         self._initialise(level, base_level, settings.epsilon, index)
-        loss = _fit_level(
+        fit = _fit_level(
             level,
             x,
             targets,
@@ -528,8 +472,8 @@ class NeuronInterpolation(FusionMethod):
         )
         return {
             **self._level_cost(level, x, outputs, labels, weights),
-            "validation_mse": loss["best_val"],
-            "epochs_run": loss["epochs"],
+            "validation_mse": fit.best_loss,
+            "epochs_run": float(fit.epochs_run),
         }
 
     @torch.no_grad()
@@ -590,74 +534,261 @@ def _fit_level(
     val_split: float,
     patience: int,
     generator: torch.Generator,
-) -> dict[str, float]:
+) -> FitResult:
     """Minimise the (optionally neuron-weighted) MSE of ``level(inputs)`` to ``targets``.
 
-    Holds out ``val_split`` of the samples, stops after ``patience`` epochs without a better
-    validation loss, and restores the best weights.
+    :func:`~fedfuse.training.fit_with_early_stopping` with ``val_split`` held out, ``patience``,
+    the best weights restored; the starting weights never count as the best (Table 9's fit
+    always takes a trained state); ``"sgd"`` is classical momentum 0.9, no schedule.
     """
-    n = len(inputs)
-    order = torch.randperm(n, generator=generator)
-    n_val = int(round(val_split * n)) if n >= 10 else 0
-    val, train = order[:n_val], order[n_val:]
     shape = [1, -1] + [1] * (targets.dim() - 2)
     w = None if neuron_weights is None else neuron_weights.view(*shape).to(targets.device)
 
-    def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        err = (pred - target) ** 2
+    def mse(rows: torch.Tensor) -> torch.Tensor:
+        err = (level(inputs[rows]) - targets[rows]) ** 2
         return (err * w).mean() if w is not None else err.mean()
 
-    opt = _optimizer(optimizer, level.parameters(), lr, weight_decay)
-    best, best_state, stale, epoch = float("inf"), copy.deepcopy(level.state_dict()), 0, 0
-    level.train()
-    while epoch < epochs:
-        epoch += 1
-        shuffled = train[torch.randperm(len(train), generator=generator)]
-        for start in range(0, len(shuffled), batch_size):
-            idx = shuffled[start : start + batch_size].to(inputs.device)
-            opt.zero_grad(set_to_none=True)
-            loss = mse(level(inputs[idx]), targets[idx])
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            check = val if n_val else train
-            idx = check.to(inputs.device)
-            current = float(mse(level(inputs[idx]), targets[idx]))
-        if current < best - 1e-12:
-            best, best_state, stale = current, copy.deepcopy(level.state_dict()), 0
-        else:
-            stale += 1
-            if stale >= patience:
-                break
-    level.load_state_dict(best_state)
-    level.eval()
-    return {"best_val": best, "epochs": float(epoch)}
-
-
-def _variant(name: str, grouping: str, approximation: str) -> type[NeuronInterpolation]:
-    doc = (
-        f"{'Hungarian' if grouping == 'hungarian' else 'K-means'} Fusion, {approximation} variant."
+    train, val = holdout_split(len(inputs), val_split, generator)
+    return fit_with_early_stopping(
+        level,
+        mse,
+        (train.to(inputs.device), val.to(inputs.device)),
+        make_optimizer(optimizer, level.parameters(), lr, weight_decay, momentum=0.9),
+        epochs=epochs,
+        batch_size=batch_size,
+        patience=patience,
+        generator=generator,
+        keep_initial=False,
     )
 
-    def __init__(self, **options: Any) -> None:  # noqa: N807
-        NeuronInterpolation.__init__(self, grouping, approximation, **options)
 
-    cls = type(
-        name.replace("-", "_").title().replace("_", ""),
-        (NeuronInterpolation,),
-        {
-            "name": name,
-            "fixed": {"grouping": grouping, "approximation": approximation},
-            "max_models": 2 if grouping == "hungarian" else None,  # one-to-one matching (Sec. 4)
-            "needs_affine_levels": approximation == "linear",
-            "__init__": __init__,
-            "__doc__": doc,
-        },
-    )
-    return register_fusion_method(cls)
+@register_fusion_method
+class HFLinear(NeuronInterpolation):
+    """Hungarian Fusion, Linear variant (paper Sec. 4): pairs two models' neurons one-to-one
+    (Hungarian matching of their importance-weighted outputs), then refits each affine level in
+    closed form to the pairs' weighted means, bottom-up from the fused levels below.
+
+    Two models of the target's width. Args as :class:`NeuronInterpolation`: ``use_scores``,
+    ``score_normalization``, ``fallback_scores``, ``head_weights`` (inputs); ``ridge``, ``rcond``,
+    ``gram_precision`` (the closed-form fit); ``seed``, ``device``, ``batch_size_capture``,
+    ``progress``.
+    """
+
+    name = "hf-linear"
+    max_models = 2  # one-to-one matching (Sec. 4)
+    needs_affine_levels = True
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        fallback_scores: str = "uniform",
+        head_weights: bool = False,
+        ridge: float | None = None,
+        rcond: float = 1e-10,
+        seed: int = 0,
+        device: str = "auto",
+        batch_size_capture: int = 256,
+        gram_precision: str = "float32",
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "hungarian",
+            "linear",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            fallback_scores=fallback_scores,
+            head_weights=head_weights,
+            ridge=ridge,
+            rcond=rcond,
+            seed=seed,
+            device=device,
+            batch_size_capture=batch_size_capture,
+            gram_precision=gram_precision,
+            progress=progress,
+        )
 
 
-HFLinear = _variant("hf-linear", "hungarian", "linear")
-KFLinear = _variant("kf-linear", "kmeans", "linear")
-HFGradient = _variant("hf-gradient", "hungarian", "gradient")
-KFGradient = _variant("kf-gradient", "kmeans", "gradient")
+@register_fusion_method
+class KFLinear(NeuronInterpolation):
+    """K-means Fusion, Linear variant (paper Sec. 4): clusters all models' neurons by
+    importance-weighted K-means into the fused level's width, then refits each affine level in
+    closed form to the cluster centres, bottom-up from the fused levels below.
+
+    Any number of models, any target widths. Args as :class:`NeuronInterpolation`:
+    ``use_scores``, ``score_normalization``, ``fallback_scores``, ``head_weights`` (inputs);
+    ``ridge``, ``rcond``, ``gram_precision`` (the closed-form fit); ``n_init``, ``max_iter``,
+    ``tol``, ``local_search_swaps`` (K-means); ``seed``, ``device``, ``batch_size_capture``,
+    ``progress``.
+    """
+
+    name = "kf-linear"
+    needs_affine_levels = True
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        fallback_scores: str = "uniform",
+        head_weights: bool = False,
+        ridge: float | None = None,
+        rcond: float = 1e-10,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        local_search_swaps: int = 0,
+        seed: int = 0,
+        device: str = "auto",
+        batch_size_capture: int = 256,
+        gram_precision: str = "float32",
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "kmeans",
+            "linear",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            fallback_scores=fallback_scores,
+            head_weights=head_weights,
+            ridge=ridge,
+            rcond=rcond,
+            n_init=n_init,
+            max_iter=max_iter,
+            tol=tol,
+            local_search_swaps=local_search_swaps,
+            seed=seed,
+            device=device,
+            batch_size_capture=batch_size_capture,
+            gram_precision=gram_precision,
+            progress=progress,
+        )
+
+
+@register_fusion_method
+class HFGradient(NeuronInterpolation):
+    """Hungarian Fusion, Gradient variant (paper Sec. 4, Table 9): pairs two models' neurons
+    one-to-one (Hungarian), then fits each level by gradient descent on the MSE to the pairs'
+    weighted means, with early stopping, bottom-up from the fused levels below.
+
+    Two models of the target's width; any levels (not only affine ones). Args as
+    :class:`NeuronInterpolation`: ``use_scores``, ``score_normalization``, ``fallback_scores``,
+    ``head_weights`` (inputs); ``preset`` and its overrides ``epochs``, ``last_epochs``, ``lr``,
+    ``last_lr``, ``epsilon``, ``batch_size``, ``patience``, and ``weighted_loss`` (the fit);
+    ``seed``, ``device``, ``batch_size_capture``, ``progress``.
+    """
+
+    name = "hf-gradient"
+    max_models = 2  # one-to-one matching (Sec. 4)
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        fallback_scores: str = "uniform",
+        head_weights: bool = False,
+        preset: str = "setting1",
+        epochs: int | None = None,
+        last_epochs: int | None = None,
+        lr: float | None = None,
+        last_lr: float | None = None,
+        epsilon: float | None = None,
+        batch_size: int | None = None,
+        patience: int | None = None,
+        weighted_loss: bool = False,
+        seed: int = 0,
+        device: str = "auto",
+        batch_size_capture: int = 256,
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "hungarian",
+            "gradient",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            fallback_scores=fallback_scores,
+            head_weights=head_weights,
+            preset=preset,
+            epochs=epochs,
+            last_epochs=last_epochs,
+            lr=lr,
+            last_lr=last_lr,
+            epsilon=epsilon,
+            batch_size=batch_size,
+            patience=patience,
+            weighted_loss=weighted_loss,
+            seed=seed,
+            device=device,
+            batch_size_capture=batch_size_capture,
+            progress=progress,
+        )
+
+
+@register_fusion_method
+class KFGradient(NeuronInterpolation):
+    """K-means Fusion, Gradient variant (paper Sec. 4, Table 9): clusters all models' neurons by
+    importance-weighted K-means, then fits each level by gradient descent on the MSE to the
+    cluster centres, with early stopping, bottom-up from the fused levels below.
+
+    Any number of models, any target widths, any levels. Args as :class:`NeuronInterpolation`:
+    ``use_scores``, ``score_normalization``, ``fallback_scores``, ``head_weights`` (inputs);
+    ``n_init``, ``max_iter``, ``tol``, ``local_search_swaps`` (K-means); ``preset`` and its
+    overrides ``epochs``, ``last_epochs``, ``lr``, ``last_lr``, ``epsilon``, ``batch_size``,
+    ``patience``, and ``weighted_loss`` (the fit); ``seed``, ``device``, ``batch_size_capture``,
+    ``progress``.
+    """
+
+    name = "kf-gradient"
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        fallback_scores: str = "uniform",
+        head_weights: bool = False,
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        local_search_swaps: int = 0,
+        preset: str = "setting1",
+        epochs: int | None = None,
+        last_epochs: int | None = None,
+        lr: float | None = None,
+        last_lr: float | None = None,
+        epsilon: float | None = None,
+        batch_size: int | None = None,
+        patience: int | None = None,
+        weighted_loss: bool = False,
+        seed: int = 0,
+        device: str = "auto",
+        batch_size_capture: int = 256,
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "kmeans",
+            "gradient",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            fallback_scores=fallback_scores,
+            head_weights=head_weights,
+            n_init=n_init,
+            max_iter=max_iter,
+            tol=tol,
+            local_search_swaps=local_search_swaps,
+            preset=preset,
+            epochs=epochs,
+            last_epochs=last_epochs,
+            lr=lr,
+            last_lr=last_lr,
+            epsilon=epsilon,
+            batch_size=batch_size,
+            patience=patience,
+            weighted_loss=weighted_loss,
+            seed=seed,
+            device=device,
+            batch_size_capture=batch_size_capture,
+            progress=progress,
+        )

@@ -42,7 +42,7 @@ import copy
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,14 +50,14 @@ import ot
 import torch
 
 from ..capture import capture_levels
-from ..importance import SCORE_METHODS, Scores, importance_scores, normalize_scores
+from ..importance import SCORE_METHODS
 from ..models import LeveledModel, ModelSpec, build_model
 from ..runtime import resolve_device
-from ..validation import validate_scores
-from .affine import output_rows
 from .alignment import affine_levels, map_incoming, map_outgoing
 from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .inputs import averaging_weights, check_levels, resolve_scores
+from .matching import squared_distances
 from .repair import repair as repair_model
 
 log = logging.getLogger(__name__)
@@ -67,45 +67,6 @@ SOLVERS = ("emd", "sinkhorn")
 
 
 # ---------------------------------------------------------------------------------- helpers
-def neuron_rows(outputs: torch.Tensor, batch_size: int = 256) -> Iterator[torch.Tensor]:
-    """Float64 chunks of ``output_rows(outputs)`` (neurons as columns), ``batch_size`` samples
-    each, so that wide convolutional levels never exist in float64 all at once."""
-    for start in range(0, len(outputs), batch_size):
-        yield output_rows(outputs[start : start + batch_size]).double()
-
-
-def squared_distances(a: torch.Tensor, b: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
-    """``D_ij = ||a_i - b_j||^2 / R`` between the neurons (channels, dim 1) of ``a`` and ``b``.
-
-    Args:
-        a, b: level outputs ``(N, n, ...)`` and ``(N, m, ...)`` (or any ``(R, n)`` matrices with
-            neurons as columns, e.g. weights as ``(fan_in + 1, out)``); a neuron's vector is its
-            column of :func:`~fedfuse.fusion.affine.output_rows`, of ``R`` rows (samples x
-            positions).
-        batch_size: samples per float64 chunk.
-
-    Returns:
-        ``(n, m)`` float64. Each row of features is centred by its mean over all ``n + m``
-        neurons first (the distances do not change; ``|a|^2 + |b|^2 - 2 a.b`` then loses less
-        to cancellation).
-    """
-    if len(a) != len(b):
-        raise ValueError(f"{len(a)} and {len(b)} rows: neurons must be seen on the same inputs")
-    n, m = a.shape[1], b.shape[1]
-    cross = a.new_zeros(n, m, dtype=torch.float64)
-    norms_a = a.new_zeros(n, dtype=torch.float64)
-    norms_b = a.new_zeros(m, dtype=torch.float64)
-    rows = 0
-    for za, zb in zip(neuron_rows(a, batch_size), neuron_rows(b, batch_size), strict=True):
-        centre = (za.sum(1, keepdim=True) + zb.sum(1, keepdim=True)) / (n + m)
-        za, zb = za - centre, zb - centre
-        cross += za.T @ zb
-        norms_a += (za * za).sum(0)
-        norms_b += (zb * zb).sum(0)
-        rows += len(za)
-    return (norms_a[:, None] + norms_b[None] - 2 * cross).clamp_min(0) / max(rows, 1)
-
-
 def transport_plan(
     cost: torch.Tensor,
     a: torch.Tensor | None = None,
@@ -192,63 +153,6 @@ def row_stochastic(plan: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
     return result
 
 
-def averaging_weights(name: str, inputs: FusionInputs, count: int, weighted: bool) -> list[float]:
-    """Uniform weights, or the models' sample counts (normalised) when ``weighted``."""
-    if not weighted:
-        return [1.0 / count] * count
-    if inputs.sample_counts is None:
-        raise ValueError(f"{name}: weighted_average needs FusionInputs.sample_counts")
-    counts = [float(c) for c in inputs.sample_counts]
-    if any(c < 0 for c in counts) or sum(counts) <= 0:
-        raise ValueError(f"{name}: sample counts must be non-negative with a positive sum")
-    return [c / sum(counts) for c in counts]
-
-
-def resolve_scores(
-    name: str,
-    models: Sequence[LeveledModel],
-    inputs: FusionInputs,
-    fallback: str,
-    device: str,
-) -> list[Scores]:
-    """The models' importance scores, validated and normalised to sum to 1 per level.
-
-    When ``inputs.scores`` is None they are computed on the fusion set with ``fallback``.
-    """
-    if inputs.scores is not None:
-        raw = list(inputs.scores)
-        for index, (model, scores) in enumerate(zip(models, raw, strict=True)):
-            validate_scores(model, scores, source=f"{name}: scores of model {index}")
-    else:
-        log.info("%s: no scores given; computing %s scores on the fusion set", name, fallback)
-        if fallback != "uniform" and inputs.data is None:
-            raise ValueError(f"{name}: {fallback} scores need FusionInputs.data")
-        raw = [
-            importance_scores(
-                m,
-                inputs.data if inputs.data is not None else torch.empty(0),
-                inputs.labels,
-                method=fallback,
-                device=device,
-            )
-            for m in models
-        ]
-    return [normalize_scores(s, "sum") for s in raw]
-
-
-def check_levels(name: str, models: Sequence[LeveledModel]) -> list[int]:
-    """Every model's neuron levels must be affine and the same; returns them."""
-    levels = models[0].neuron_levels
-    for index, model in enumerate(models):
-        try:
-            affine_levels(model)
-        except ValueError as error:
-            raise ValueError(f"{name}: model {index}: {error}") from None
-        if model.neuron_levels != levels:
-            raise ValueError(f"{name}: model {index} has other neuron levels than model 0")
-    return levels
-
-
 # ---------------------------------------------------------------------------------- the method
 @register_fusion_method
 class OTFusion(FusionMethod):
@@ -314,15 +218,26 @@ class OTFusion(FusionMethod):
         self.device = device
         self.batch_size_capture = batch_size_capture
 
+    def requirements(self) -> frozenset[str]:
+        needed = set(self.requires)
+        if self.ground_metric == "activations" or self.repair:
+            needed.add("data")
+        if self.weighted_average:
+            needed.add("sample_counts")
+        return frozenset(needed)
+
+    def needs(self) -> frozenset[str]:
+        needed = set(self.requirements())
+        if self.use_scores:
+            needed.add("scores")
+            if self.fallback_scores != "uniform":
+                needed |= {"data", "labels"}
+        return frozenset(needed)
+
     def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
         super()._check(models, inputs)
         if not 0 <= self.reference < len(models):
             raise ValueError(f"{self.name}: reference {self.reference} is not one of the models")
-        if inputs.data is None and (self.ground_metric == "activations" or self.repair):
-            reason = (
-                "ground_metric=activations" if self.ground_metric == "activations" else "repair"
-            )
-            raise ValueError(f"{self.name}: {reason} needs FusionInputs.data (the fusion set)")
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
@@ -331,7 +246,9 @@ class OTFusion(FusionMethod):
         hidden = levels[:-1]
         device = resolve_device(self.device)
         scores = (
-            resolve_scores(self.name, models, inputs, self.fallback_scores, self.device)
+            resolve_scores(
+                self.name, models, inputs, fallback=self.fallback_scores, device=self.device
+            )
             if self.use_scores
             else None
         )

@@ -1,0 +1,246 @@
+"""Hydra configs (composition, unknown keys, the run-config round trip) and ``fedfuse compare``:
+cache keys, the library runner with resume, and the Flower runner giving the same rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from fedfuse.config import (
+    available_options,
+    compose,
+    config_dir,
+    method_from_config,
+    overrides_from_settings,
+    settings_from_config,
+)
+from fedfuse.experiments import compare
+from fedfuse.fusion import FUSION_METHODS, make_fusion_method
+from fedfuse.scenario import RunSettings
+from fedfuse.site_cache import site_set_key
+
+#: a tiny real setting: sklearn digits (bundled with scikit-learn), a small MLP, short training
+TINY = [
+    "dataset=digits",
+    "model.widths=[32,32]",
+    "training.epochs=4",
+    "training.lr=0.01",
+    "scores.samples=64",
+]
+
+
+# ------------------------------------------------------------------------------ composition
+def test_default_config_is_the_flower_apps_default():
+    settings = settings_from_config(compose())
+    defaults = RunSettings()
+    differing = {
+        f.name
+        for f in dataclasses.fields(RunSettings)
+        if f.name != "extra" and getattr(settings, f.name) != getattr(defaults, f.name)
+    }
+    # the Flower app runs two methods at once; a Hydra job holds one
+    assert differing == {"strategy"}, differing
+    assert settings.strategy == "kf-linear"
+
+
+@pytest.mark.parametrize("experiment", available_options("experiment"))
+@pytest.mark.parametrize("method", ["kf-linear", "regmean", "kf-gradient-setting2"])
+def test_run_config_and_hydra_config_compose_into_each_other(experiment, method):
+    settings = settings_from_config(compose([f"experiment={experiment}", f"method={method}"]))
+    overrides = overrides_from_settings(settings, sites=settings.min_nodes)
+    assert settings_from_config(compose(overrides)) == settings
+    assert RunSettings.from_config(settings.to_config()) == settings
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (["partition.alpha=1"], ConfigCompositionException, "partition.alpha"),
+        (["method.ridgee=1"], ConfigCompositionException, "method.ridgee"),
+        (["+training.epochz=3"], ValueError, r"unknown config key\(s\) \['training.epochz'\]"),
+        (["+runner.workers=3"], ValueError, "runner.workers"),
+        (["method.ridge=abc"], ValueError, "option ridge='abc' must be float or None"),
+        (["partition=nope"], ConfigCompositionException, "nope"),
+        (["partition.class_groups=[[0,1],[1,2]]"], ValueError, "class 1 is in groups"),
+    ],
+)
+def test_unknown_keys_and_bad_values_are_errors_naming_them(overrides, error, match):
+    with pytest.raises(error, match=match):
+        settings_from_config(compose(overrides))
+
+
+def test_unknown_run_config_keys_are_errors_too():
+    with pytest.raises(ValueError, match=r"unknown run config key\(s\) \['epochz'\]"):
+        RunSettings.from_config({"epochz": 3})
+
+
+@pytest.mark.parametrize("option", available_options("method"))
+def test_every_method_config_is_exactly_its_constructor(option):
+    text = (config_dir() / "method" / f"{option}.yaml").read_text()
+    raw = yaml.safe_load(text)
+    method = method_from_config(compose([f"method={option}"]).method)
+    if "defaults" not in raw:  # a base config: keys are exactly the options, values the defaults
+        keys = set(raw) - {"_target_"}
+        assert keys == set(type(method).accepted_options())
+        expected = {k: v for k, v in raw.items() if k not in ("_target_", "device")}
+        assert {k: method.options()[k] for k in expected} == expected
+    assert method.name in FUSION_METHODS
+
+
+def test_every_registered_method_has_a_config():
+    assert set(FUSION_METHODS) <= set(available_options("method"))
+
+
+def test_bloodmnist_hospitals_preset_splits_white_cells_from_the_rest():
+    settings = settings_from_config(compose(["experiment=bloodmnist-hospitals"]))
+    assert settings.dataset == "bloodmnist" and settings.partitioner == "sharded"
+    assert settings.class_groups() == [[0, 1, 3, 4, 5, 6], [2, 7]]
+
+
+def test_simulate_takes_hydra_overrides_and_refuses_a_key_set_twice():
+    from fedfuse.cli import _run_config_from_overrides
+
+    run_config, sites = _run_config_from_overrides(
+        ["partition=dirichlet", "sites=4", "method=regmean"], "reply-timeout=60"
+    )
+    assert sites == 4
+    assert 'partitioner="dirichlet"' in run_config and 'strategy="regmean"' in run_config
+    assert "reply-timeout=60" in run_config
+    with pytest.raises(ValueError, match=r"\['seed'\] are set by the Hydra overrides too"):
+        _run_config_from_overrides(["seed=1"], "seed=2")
+
+
+# ------------------------------------------------------------------------------- cache keys
+def test_site_set_key_covers_training_and_nothing_else():
+    base = RunSettings()
+    key = site_set_key(base, 2)
+    for change in (
+        {"seed": 1},
+        {"local_epochs": 2},
+        {"partitioner": "dirichlet"},
+        {"mlp_widths": "64"},
+        {"lr": 0.01},
+        {"score_samples": 128},
+        {"sharded_class_groups": "0,1,2,3,4;5,6,7,8,9"},
+    ):
+        assert site_set_key(dataclasses.replace(base, **change), 2) != key, change
+    assert site_set_key(base, 3) != key
+    for same in (
+        {"strategy": "regmean"},
+        {"score_method": "deeplift"},
+        {"fusion_samples": 100},
+        {"test_samples": 10},
+        {"dirichlet_alpha_min": 3.0},  # not a parameter of the sharded split
+        {"output_dir": "elsewhere"},
+    ):
+        assert site_set_key(dataclasses.replace(base, **same), 2) == key, same
+
+
+def test_row_id_covers_result_options_only():
+    settings = RunSettings()
+    kf = make_fusion_method("kf-linear")
+    row = compare.row_id(settings, 2, kf, "library")
+    assert (
+        compare.row_id(settings, 2, make_fusion_method("kf-linear", progress=True), "library")
+        == row
+    )
+    assert compare.row_id(settings, 2, make_fusion_method("kf-linear", ridge=0.1), "library") != row
+    assert compare.row_id(settings, 2, kf, "flower") != row
+    assert (
+        compare.row_id(dataclasses.replace(settings, score_method="uniform"), 2, kf, "library")
+        != row
+    )
+    assert compare.row_id(settings, 4, kf, "library") != row
+
+
+# ---------------------------------------------------------------------------------- runners
+def _rows(sweep: Path) -> dict[tuple, dict]:
+    rows = [json.loads(p.read_text()) for p in sorted((sweep / "rows").glob("*.json"))]
+    return {(r["method"], r["sites"], r["seed"], r["runner"]): r for r in rows}
+
+
+def test_library_sweep_trains_each_site_set_once_and_resumes(tmp_path, monkeypatch):
+    import fedfuse.clients.site as site
+
+    trained: list[tuple[int, int]] = []
+    real_train = site._train
+
+    def counting_train(settings, data, seed, *args):
+        trained.append((settings.min_nodes, seed))
+        return real_train(settings, data, seed, *args)
+
+    monkeypatch.setattr(site, "_train", counting_train)
+    argv = [
+        "-m",
+        *TINY,
+        "sites=2,3",
+        "method=regmean,kf-linear,fedavg,hf-linear",
+        f"output_dir={tmp_path}",
+    ]
+    assert compare.main(argv) == 0
+    rows = _rows(tmp_path / "default")
+    assert len(rows) == 8 and len(trained) == 5  # 2 + 3 sites, each trained once
+    assert rows[("hf-linear", 3, 0, "library")]["status"] == "failed"  # named, not fatal
+    assert "at most 2 models" in rows[("hf-linear", 3, 0, "library")]["error"]
+    ok = rows[("kf-linear", 2, 0, "library")]
+    assert ok["status"] == "ok" and 0 <= ok["accuracy"] <= 1
+    assert len(ok["base_accuracies"]) == 2 and ok["upload_bytes_per_site"][0] > 0
+    assert (tmp_path / "default" / ok["fused_checkpoint"]).is_file()
+    # only a method that reads Gram matrices pays for uploading them
+    regmean, fedavg = rows[("regmean", 2, 0, "library")], rows[("fedavg", 2, 0, "library")]
+    assert fedavg["upload_bytes_per_site"] == ok["upload_bytes_per_site"]
+    assert regmean["upload_bytes_per_site"][0] > fedavg["upload_bytes_per_site"][0]
+
+    # an interrupted sweep: a site set half-trained, a row missing; the rerun finishes both
+    monkeypatch.setattr(
+        site,
+        "_train",
+        lambda s, d, seed, *a: (
+            (_ for _ in ()).throw(KeyboardInterrupt)
+            if seed % 1000 == 2
+            else counting_train(s, d, seed, *a)
+        ),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(["-m", *TINY, "sites=2", "method=fedavg", "seed=1", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(site, "_train", counting_train)
+    before = len(trained)
+    assert compare.main(argv[:-1] + ["seed=0,1", f"output_dir={tmp_path}"]) == 0
+    # seed 0 all done; seed 1: site 0 survived the interruption, only site 1 and the
+    # 3-site set are trained
+    assert len(trained) - before == 1 + 3
+    assert len(_rows(tmp_path / "default")) == 16
+
+
+@pytest.mark.e2e
+def test_flower_runner_gives_the_library_runners_rows(tmp_path):
+    common = [*TINY, "sites=2", "method=kf-linear", "seed=0", "partition=dirichlet"]
+    assert compare.main([*common, f"output_dir={tmp_path / 'lib'}"]) == 0
+    assert compare.main([*common, "runner=flower", f"output_dir={tmp_path / 'flwr'}"]) == 0
+    (library,) = _rows(tmp_path / "lib" / "default").values()
+    (flower,) = _rows(tmp_path / "flwr" / "default").values()
+    assert flower["status"] == "ok", flower["error"]
+    assert flower["runner"] == "flower" and library["runner"] == "library"
+    for key in (
+        "accuracy",
+        "loss",
+        "base_accuracies",
+        "ensemble_accuracy",
+        "upload_bytes_per_site",
+    ):
+        assert flower[key] == pytest.approx(library[key], abs=1e-9), key
+
+
+def test_composed_config_records_in_the_row(tmp_path):
+    assert compare.main([*TINY, "method=fedavg", f"output_dir={tmp_path}", "name=tiny"]) == 0
+    (row,) = _rows(tmp_path / "default").values()
+    assert row["experiment"] == "tiny" and row["dataset"] == "digits"
+    settings = RunSettings.from_config(row["settings"])
+    assert settings.mlp_widths == "32,32" and settings.local_epochs == 4
+    assert OmegaConf.create(row["options"]) is not None
