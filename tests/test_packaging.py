@@ -33,7 +33,11 @@ def test_wheel_has_only_fedfuse_at_the_top_level(tmp_path):
     for layer in ("strategies", "clients", "partitions"):
         assert f"fedfuse/{layer}/__init__.py" in names
     assert "fedfuse/strategies/server_app.py" in names
-    for module in ("fedfuse/experiments/compare.py", "fedfuse/fusion/otfusion.py", "fedfuse/cli.py"):
+    for module in (
+        "fedfuse/experiments/compare.py",
+        "fedfuse/fusion/otfusion.py",
+        "fedfuse/cli.py",
+    ):
         assert module in names
     assert "fedfuse/configs/compare.yaml" in names
     assert "fedfuse/configs/method/kf-linear.yaml" in names
