@@ -1,4 +1,5 @@
-"""The site's Flower ``ClientApp``: train locally once, score neurons locally, upload both.
+"""The site's Flower ``ClientApp``: train locally once, score neurons locally, upload both;
+then, for methods fitted on the sites' data, answer one statistics query per level.
 
 Simulation: a site's data is its partition (``partition-id`` / ``num-partitions``, set by Flower)
 of the configured dataset. Deployment: start the SuperNode with
@@ -14,8 +15,14 @@ from flwr.clientapp import ClientApp
 from fedfuse.runtime import configure_logging
 from fedfuse.scenario import RunSettings
 
-from .records import WEIGHTS_KEY, pack_upload, unpack_tensors
-from .site import train_site
+from .records import (
+    WEIGHTS_KEY,
+    pack_statistics,
+    pack_upload,
+    unpack_statistics_request,
+    unpack_tensors,
+)
+from .site import answer_statistics_request, train_site
 
 app = ClientApp()
 
@@ -49,3 +56,17 @@ def train_and_upload(msg: Message, context: Context) -> Message:
     initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
     upload = train_site(settings, partition_id, num_partitions, initial_state, data_path=data_path)
     return Message(content=pack_upload(upload), reply_to=msg)
+
+
+@app.query("statistics")
+def statistics_round(msg: Message, context: Context) -> Message:
+    """One statistics round: the site's statistics of the fused prefix and its own model on
+    its own data, for the level the server asks (site-statistics fusion, e.g. ``kf-sites``)."""
+    configure_logging()
+    settings = RunSettings.from_config(context.run_config)
+    partition_id, num_partitions, data_path = site_identity(context)
+    request, model = unpack_statistics_request(msg.content)
+    statistics = answer_statistics_request(
+        settings, request, model, partition_id, num_partitions, data_path=data_path
+    )
+    return Message(content=pack_statistics(statistics), reply_to=msg)

@@ -1,4 +1,5 @@
-"""The wire format of a client's one upload: weights, importance scores and site facts.
+"""The wire format of a client's upload (weights, importance scores, site facts) and of the
+statistics rounds (the server's request, the site's statistics).
 
 Both sides use these helpers, so the record keys are defined once. Tensors travel as Flower
 ``ArrayRecord``s (numpy buffers, never pickles); the site facts as a ``ConfigRecord``.
@@ -11,7 +12,10 @@ import json
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
+from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.uploads import ClientUpload
+from fedfuse.validation import model_from_state
 
 WEIGHTS_KEY = "arrays"
 SCORES_KEY = "scores"
@@ -56,3 +60,98 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
 def unpack_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """An ArrayRecord as a dict of CPU tensors."""
     return dict(record.to_torch_state_dict())
+
+
+# ---------------------------------------------------------------------- statistics rounds
+#: the Message type of a statistics round (a ClientApp ``@app.query("statistics")`` handler)
+STATISTICS_MESSAGE = "query.statistics"
+FUSED_KEY = "fused"
+REQUEST_KEY = "request"
+STATISTICS_KEY = "statistics"
+
+
+def pack_statistics_request(request: StatisticsRequest, model: LeveledModel) -> RecordDict:
+    """The server's message of one statistics round to one site: the fused model so far, the
+    site's own model (the server holds it; the site need not keep state between rounds) and
+    the request's settings."""
+    return RecordDict(
+        {
+            FUSED_KEY: ArrayRecord(request.fused.state_dict()),
+            WEIGHTS_KEY: ArrayRecord(model.state_dict()),
+            REQUEST_KEY: ConfigRecord(
+                {
+                    "level": request.level,
+                    "fused-spec": json.dumps(request.fused.spec.to_dict()),
+                    "model-spec": json.dumps(model.spec.to_dict()),
+                    "max-samples": -1 if request.max_samples is None else request.max_samples,
+                    "dtype": request.dtype,
+                    "seed": request.seed,
+                }
+            ),
+        }
+    )
+
+
+def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, LeveledModel]:
+    """The request and the site's model from a statistics message, validated (ValueError)."""
+    try:
+        config = content.config_records[REQUEST_KEY]
+        fused_spec = ModelSpec.from_dict(json.loads(str(config["fused-spec"])))
+        model_spec = ModelSpec.from_dict(json.loads(str(config["model-spec"])))
+        fused_state = unpack_tensors(content.array_records[FUSED_KEY])
+        model_state = unpack_tensors(content.array_records[WEIGHTS_KEY])
+        level, max_samples = int(config["level"]), int(config["max-samples"])
+        dtype, seed = str(config["dtype"]), int(config["seed"])
+    except (KeyError, TypeError, ValueError, RecursionError) as error:
+        raise ValueError(f"malformed statistics request ({error!r})") from None
+    fused = model_from_state(fused_spec, fused_state, source="the fused model of the request")
+    model = model_from_state(model_spec, model_state, source="the site's model in the request")
+    if not 0 <= level < fused.num_levels:
+        raise ValueError(f"statistics request for level {level}; the model has {fused.num_levels}")
+    request = StatisticsRequest(level, fused, None if max_samples < 0 else max_samples, dtype, seed)
+    return request, model
+
+
+def pack_statistics(statistics: SiteStatistics) -> RecordDict:
+    """A site's reply to a statistics round."""
+    return RecordDict(
+        {
+            STATISTICS_KEY: ArrayRecord(statistics.tensors()),
+            METRICS_KEY: MetricRecord(
+                {
+                    "level": statistics.level,
+                    "rows": statistics.rows,
+                    "translation-ridge": statistics.translation_ridge,
+                    f"{SECONDS_PREFIX}statistics": statistics.seconds,
+                }
+            ),
+        }
+    )
+
+
+def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
+    """A site's statistics from its reply; ValueError naming ``source`` when malformed (shapes
+    and values are checked by :meth:`SiteStatistics.check`, which knows the level)."""
+    try:
+        tensors = unpack_tensors(content.array_records[STATISTICS_KEY])
+        metrics = content.metric_records[METRICS_KEY]
+        missing = sorted(set(SiteStatistics.TENSORS) - set(tensors))
+        if missing:
+            raise KeyError(f"statistics {missing}")
+        rows, level = metrics["rows"], metrics["level"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, level)):
+            raise TypeError(f"rows {rows!r} and level {level!r} must be integers")
+        ridge = float(metrics.get("translation-ridge", 0.0))
+        seconds = float(metrics.get(f"{SECONDS_PREFIX}statistics", 0.0))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{source}: malformed statistics reply ({error})"[:300]) from None
+    return SiteStatistics(
+        level=level,
+        rows=rows,
+        gram=tensors["gram"],
+        cross=tensors["cross"],
+        target_gram=tensors["target_gram"],
+        translation=tensors["translation"],
+        translation_ridge=ridge,
+        seconds=seconds,
+    )

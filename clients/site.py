@@ -15,6 +15,7 @@ import torch
 from fedfuse.data import ImageDataset, load_npz_dataset
 from fedfuse.fusion import FUSION_METHODS
 from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
 from fedfuse.importance import importance_scores
 from fedfuse.models import LeveledModel, build_model
 from fedfuse.runtime import limit_threads, seed_everything
@@ -56,10 +57,7 @@ def train_site(
     def site_data() -> ImageDataset:
         nonlocal data
         if data is None:
-            if data_path:
-                data = load_npz_dataset(data_path)
-            else:
-                data = Scenario(settings, num_partitions).client_data(partition_id)
+            data = load_site_data(settings, partition_id, num_partitions, data_path)
             clock.lap("load")
         return data
 
@@ -104,6 +102,44 @@ def train_site(
         grams=grams,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
     )
+
+
+def load_site_data(
+    settings: RunSettings, partition_id: int, num_partitions: int, data_path: str | None = None
+) -> ImageDataset:
+    """The site's own training data: its ``.npz`` file (a deployment) or its partition."""
+    if data_path:
+        return load_npz_dataset(data_path)
+    return Scenario(settings, num_partitions).client_data(partition_id)
+
+
+def answer_statistics_request(
+    settings: RunSettings,
+    request: StatisticsRequest,
+    model: LeveledModel,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    data_path: str | None = None,
+) -> SiteStatistics:
+    """One statistics round of a site: the statistics of its own model and the fused prefix on
+    its own training data (:func:`~fedfuse.fusion.site_statistics.site_statistics`)."""
+    limit_threads(settings.threads)
+    data = load_site_data(settings, partition_id, num_partitions, data_path)
+    if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
+        raise ValueError(
+            f"client {partition_id}: its data has samples of shape "
+            f"{tuple(data.inputs().shape[1:])}, the model takes {tuple(model.spec.input_shape)}"
+        )
+    statistics = site_statistics(model, data.inputs(), request, device=settings.device)
+    log.info(
+        "client %d: statistics of level %d on %d rows in %.1f s",
+        partition_id,
+        request.level,
+        statistics.rows,
+        statistics.seconds,
+    )
+    return statistics
 
 
 def _train(

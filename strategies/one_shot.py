@@ -1,5 +1,9 @@
 """``OneShotFusion``: a Flower strategy with one round of local training and one fusion.
 
+Methods fitted on the sites' own data (``kf-sites``, ``hf-sites``) add statistics rounds
+after the train round, one per level, through ``statistics_rounds.FlowerSites`` (query
+messages; the same flow control, timeout and validation as the train round).
+
 The server checks that every listed fusion method can fuse this run (number of sites,
 architecture, inputs) before any site trains, sends every connected site one train message,
 and takes the replies **as they arrive**: each is validated (naming a bad client) and written
@@ -25,11 +29,12 @@ from flwr.serverapp.strategy import Result, Strategy
 from fedfuse.clients.records import CONFIG_KEY, WEIGHTS_KEY
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, FusionMethod, FusionResult
-from fedfuse.models import ModelSpec
+from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.uploads import StoredUpload, UploadStore
 from fedfuse.validation import ContributionError
 
 from .replies import decode_reply, describe_sender
+from .statistics_rounds import FlowerSites
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +190,9 @@ class OneShotFusion(Strategy):
         self.num_partitions = 0
         self._sent: list[int] = []
         self.timings: dict[str, float] = {}
+        self._grid: Grid | None = None
+        self._reply_timeout = 3600.0
+        self._node_of: dict[int, int] = {}  # partition id -> node id of its accepted upload
 
     def summary(self) -> None:
         log.info(
@@ -199,6 +207,7 @@ class OneShotFusion(Strategy):
     ) -> Iterable[Message]:
         """Wait for the sites, check every method against them, then one message per site."""
         started = time.monotonic()
+        self._grid = grid
         self._sent = wait_for_nodes(grid, self.min_nodes, self.node_wait_timeout)
         self.timings["wait_nodes"] = time.monotonic() - started
         check_methods(
@@ -248,6 +257,7 @@ class OneShotFusion(Strategy):
         if num_rounds != 1:
             raise ValueError(f"one-shot fusion has exactly one round, not {num_rounds}")
         self.summary()
+        self._reply_timeout = timeout
         messages = list(
             self.configure_train(1, initial_arrays, train_config or ConfigRecord(), grid)
         )
@@ -282,6 +292,7 @@ class OneShotFusion(Strategy):
         finally:
             elapsed = time.monotonic() - started
             self.timings["handle_uploads"] = self.timings.get("handle_uploads", 0.0) + elapsed
+        self._node_of[entry.partition_id] = msg.metadata.src_node_id
         log.info(
             "stored the upload of %s (%d examples): %d of %d sites",
             source,
@@ -316,6 +327,20 @@ class OneShotFusion(Strategy):
                 self.problems.append(problem)
                 self.store.discard(entry.partition_id, problem)
 
+    def _statistics_channel(self, models: Sequence[LeveledModel]) -> FlowerSites:
+        """The channel of the statistics rounds: each stored upload's site, by node."""
+        if self._grid is None:
+            raise RuntimeError("statistics rounds need the grid of a started strategy")
+        entries = self.store.entries
+        return FlowerSites(
+            self._grid,
+            models,
+            [self._node_of[e.partition_id] for e in entries],
+            [e.source for e in entries],
+            timeout=self._reply_timeout,
+            max_in_flight=self.max_in_flight,
+        )
+
     def fuse(self) -> tuple[ArrayRecord | None, MetricRecord]:
         """Fuse the stored uploads with every method; each failure is kept, not raised.
 
@@ -340,6 +365,8 @@ class OneShotFusion(Strategy):
             grams=self.store.grams(),
         )
         models = self.store.models()
+        if any("sites" in method.needs() for method in self.methods):
+            inputs.sites = self._statistics_channel(models)
         for method in self.methods:
             method_started = time.monotonic()
             try:
@@ -356,6 +383,8 @@ class OneShotFusion(Strategy):
                 "every fusion method failed: "
                 + "; ".join(f"{name}: {f.error}" for name, f in self.failures.items())
             )
+        if inputs.sites is not None:
+            self.problems.extend(inputs.sites.problems)
         primary = next(iter(self.results.values()))
         metrics = MetricRecord(
             {

@@ -60,7 +60,7 @@ def _run_directory(root: Path, label: str, run_id: int) -> Path:
 
 def _available_inputs(settings: RunSettings, scenario: Scenario) -> set[str]:
     """The FusionInputs fields this run can provide (for the check before training)."""
-    available = {"scores", "sample_counts", "class_counts", "grams"}
+    available = {"scores", "sample_counts", "class_counts", "grams", "sites"}
     if settings.fusion_data:
         available |= {"data", "labels"}
     else:

@@ -33,6 +33,8 @@ STRATEGIES = [
     "git-rebasin",
     "fedma",
     "regmean",
+    "kf-sites",
+    "hf-sites",
     "fs-merge",
     "kd",
     "linear-probe",
@@ -143,6 +145,14 @@ def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
         assert 0.0 <= accuracy["fused"][name]["accuracy"] <= 1.0
     # far above chance: the one-shot neuron-interpolation fusion worked
     assert accuracy["fused"]["kf-linear"]["accuracy"] > 0.35
+    # the site-statistics methods ran one query round per level after the train round, each
+    # site uploading its statistics; fitted on the sites' own data they beat the ensemble here
+    for name in ("kf-sites", "hf-sites"):
+        rounds = fusions[name]["details"]["rounds"]
+        assert [r["level"] for r in rounds] == ["0:Linear", "2:Linear", "4:Linear", "6:Linear"]
+        assert all(sorted(r["upload_bytes"]) == ["0", "1"] for r in rounds)
+        assert rounds[0]["upload_bytes"]["0"] == 4 * (785 * 785 + 2 * 785 * 512 + 512 * 512)
+        assert accuracy["fused"][name]["accuracy"] > accuracy["ensemble"]["accuracy"]
 
     # the fused checkpoint is the model that was evaluated
     fused = load_checkpoint(fusions["kf-linear"]["checkpoint"])
@@ -201,6 +211,31 @@ def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_pa
         "client_3.safetensors",
     ]
     assert "fused: kf-linear" in completed.stdout
+
+
+def test_a_site_failing_a_statistics_round_is_named_and_the_fusion_goes_on(tmp_path):
+    """kf-sites over real ClientApps (tests/apps/faulty): sites 1 and 2 never upload; site 3
+    uploads, answers the first statistics round and crashes in the next; site 0 carries on."""
+    completed, out, _ = _simulate(
+        tmp_path,
+        "min-nodes=2 reply-timeout=45.0 strategy='kf-sites'",
+        app=REPO / "tests" / "apps" / "faulty",
+        num_clients=4,
+        grace=5,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "latest" / "results.json").read_text())
+    assert report["status"] == "ok"
+    assert [c["partition_id"] for c in report["clients"]] == [0, 3]
+    levels = report["fusions"]["kf-sites"]["details"]["levels"]
+    assert levels[0]["sites"] == [0, 1] and levels[1]["dropped_sites"] == [1]
+    assert all(level["sites"] == [0] for level in levels[1:])
+    assert any(
+        r.startswith("client 3 (node")
+        and "statistics round: the client failed: site 3 crashed in a statistics round" in r
+        for r in report["rejected"]
+    ), report["rejected"]
+    assert report["accuracy"]["fused"]["kf-sites"]["accuracy"] > 0.3  # chance: 0.1
 
 
 def test_ten_sites_with_the_default_strategy(tmp_path):

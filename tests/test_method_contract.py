@@ -18,7 +18,7 @@ import typing
 import pytest
 import torch
 
-from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
+from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import build_model, mlp_spec
@@ -75,6 +75,9 @@ def full(models):
         sample_counts=[30, 50],
         class_counts=[[10, 15, 5], [20, 0, 30]],
         grams=[level_grams(m, _randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
+        sites=LocalSites(
+            models, [_randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
+        ),
     )
 
 

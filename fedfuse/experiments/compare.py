@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import save_checkpoint
 from ..config import NON_RESULT_OPTIONS, method_from_config, method_label, settings_from_config
 from ..fusion import FusionInputs, FusionMethod
+from ..fusion.site_statistics import LocalSites, statistics_round_bytes
 from ..report import evaluate_fusion, write_json
 from ..scenario import RunSettings, Scenario
 from ..site_cache import SiteCache, site_set_key
@@ -169,6 +170,9 @@ def _run_library(job: Job, scenario: Scenario) -> dict[str, Any]:
         "class_counts": [u.class_counts for u in uploads],
         "grams": [u.grams for u in uploads] if all(u.grams for u in uploads) else None,
     }
+    if needs is None or "sites" in needs:  # statistics rounds answered in-process
+        site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
+        available["sites"] = LocalSites(models, site_inputs, device=settings.device)
     inputs = FusionInputs(**{k: v for k, v in available.items() if needs is None or k in needs})
     result = job.method.fuse(models, inputs)
     evaluation = _site_set_evaluation(job, scenario, models, uploads)
@@ -179,6 +183,7 @@ def _run_library(job: Job, scenario: Scenario) -> dict[str, Any]:
         loss=fused["base"][0]["loss"],
         fusion_seconds=result.seconds,
         upload_bytes_per_site=[u.payload_bytes() for u in uploads],
+        round_upload_bytes=statistics_round_bytes(result.details, job.sites),
         details=_json_safe(result.details),
     )
     if job.cfg.save_models:
@@ -273,6 +278,7 @@ def _run_flower(job: Job, scenario: Scenario) -> dict[str, Any]:
             c.get("upload_bytes")
             for c in sorted(report["clients"], key=lambda c: c["partition_id"])
         ],
+        round_upload_bytes=statistics_round_bytes(fusion.get("details", {}), job.sites),
         details=fusion.get("details", {}),
         flower_results=str(results.resolve()),
     )

@@ -95,12 +95,20 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
         sites, body = _wide(rows, lambda r: format_stat(r.accuracy, failed=r.failed))
         header = ["method", "scores", "kind", *(f"{s} sites" for s in sites)]
         lines += markdown_table(header, body, "lll" + "r" * len(sites))
-        lines += ["", "Fusion time (s) and upload per site, mean ± sample std over seeds:", ""]
+        lines += [
+            "",
+            "Fusion time (s) and upload per site, mean ± sample std over seeds (the train "
+            "round's upload, then any statistics rounds: their count × a site's largest one):",
+            "",
+        ]
 
         def cost(r: SummaryRow) -> str:
             if r.seconds.mean is None:
                 return "failed" if r.failed else NO_STD
-            return f"{format_stat(r.seconds, count=False)} s · {human_bytes(r.upload.mean)}"
+            cell = f"{format_stat(r.seconds, count=False)} s · {human_bytes(r.upload.mean)}"
+            if r.rounds:  # statistics rounds after the train round: their count and largest
+                cell += f" + {r.rounds} × ≤{human_bytes(r.round_upload.mean)}"
+            return cell
 
         sites, body = _wide(rows, cost, references=False)
         lines += markdown_table(header, body, "lll" + "r" * len(sites))
@@ -150,6 +158,10 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict[str, Any]]:
                 "upload_bytes_per_site_mean": None
                 if r.upload.mean is None
                 else round(r.upload.mean),
+                "statistics_rounds": r.rounds,
+                "round_upload_bytes_per_site_max_mean": None
+                if r.round_upload.mean is None
+                else round(r.round_upload.mean),
                 "test_examples": r.test_examples,
             }
         )

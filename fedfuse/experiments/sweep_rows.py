@@ -134,8 +134,10 @@ class SummaryRow:
     loss: Stat
     gap: Stat  # ensemble minus this accuracy, percentage points
     seconds: Stat
-    upload: Stat  # bytes per site
+    upload: Stat  # bytes per site, the train round's upload
     test_examples: int | None
+    rounds: int = 0  # statistics rounds after the train round
+    round_upload: Stat = Stat(None, None, 0)  # bytes per site, its largest statistics round
 
     @property
     def reference(self) -> bool:
@@ -161,6 +163,15 @@ def _mean_upload(row: dict[str, Any]) -> float | None:
     if not isinstance(upload, list) or not upload:
         return None
     return float(np.mean([float(b) for b in upload]))
+
+
+def _round_upload(row: dict[str, Any]) -> tuple[int, float | None]:
+    """(statistics rounds, mean over sites of a site's largest round in bytes) of a row."""
+    rounds = row.get("round_upload_bytes")
+    if not isinstance(rounds, list) or not rounds:
+        return 0, None
+    per_site = [max(float(r[site]) for r in rounds) for site in range(len(rounds[0]))]
+    return len(rounds), float(np.mean(per_site)) if per_site else None
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
@@ -220,6 +231,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 seconds=Stat.of(r.get("fusion_seconds") for r in good),
                 upload=Stat.of(_mean_upload(r) for r in good),
                 test_examples=next((r.get("test_examples") for r in good), None),
+                rounds=max((_round_upload(r)[0] for r in good), default=0),
+                round_upload=Stat.of(_round_upload(r)[1] for r in good),
             )
         )
     return sorted(summary, key=_order)

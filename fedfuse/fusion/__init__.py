@@ -1,7 +1,9 @@
 """Fusion methods behind one interface (:class:`FusionMethod`), found by name in a registry.
 
 One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
-``neuron_interpolation``, ``fs_merge``, ``distillation``) over shared steps, each in one place:
+``neuron_interpolation``, ``site_interpolation``, ``fs_merge``, ``distillation``) over shared
+steps, each in one place (``site_statistics`` and ``ridge``, what sites compute and how a ridge
+is chosen, too):
 ``base`` (the interface, options and configs), ``inputs`` (checking and resolving
 :class:`FusionInputs`: scores, model and head weights, levels), ``matching`` (neuron costs and
 the Hungarian assignment), ``kmeans``, ``least_squares``, ``alignment``, ``affine``, ``costs``,
@@ -33,10 +35,19 @@ from .neuron_interpolation import (
 )
 from .otfusion import OTFusion
 from .regmean import RegMean
+from .site_interpolation import HFSites, KFSites, SiteInterpolation
+from .site_statistics import LocalSites, SiteStatistics, StatisticsRequest, site_statistics
 
 __all__ = [
     "GRADIENT_PRESETS",
     "HFGradient",
+    "HFSites",
+    "KFSites",
+    "LocalSites",
+    "SiteInterpolation",
+    "SiteStatistics",
+    "StatisticsRequest",
+    "site_statistics",
     "HFLinear",
     "KFGradient",
     "KFLinear",

@@ -242,6 +242,7 @@ _INPUT_NEEDS = {
     "sample_counts": "the sites' sample counts",
     "class_counts": "the sites' class counts",
     "grams": "the sites' Gram matrices",
+    "sites": "the sites themselves for statistics rounds (a Flower run, or LocalSites)",
 }
 
 FUSION_METHODS: dict[str, type[FusionMethod]] = {}

@@ -20,6 +20,7 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -44,6 +45,8 @@ class FusionInputs:
         grams: per model, by neuron level, the Gram matrix ``X^T X`` of the level's design rows
             (its inputs with a trailing 1, unfolded for convolutions) summed over the site's own
             data (RegMean needs no fusion set, only these).
+        sites: a :class:`~fedfuse.fusion.site_statistics.SiteChannel` reaching the site of each
+            model for statistics rounds (the Flower strategy's, or ``LocalSites`` in-process).
     """
 
     data: torch.Tensor | None = None
@@ -52,6 +55,7 @@ class FusionInputs:
     sample_counts: Sequence[int] | None = None
     class_counts: Sequence[Sequence[int]] | None = None
     grams: Sequence[dict[int, torch.Tensor]] | None = None
+    sites: Any = None
 
 
 #: every field of :class:`FusionInputs`
@@ -85,6 +89,11 @@ def check_inputs(
             raise ValueError(
                 f"{method}: FusionInputs.{name} has {len(value)} entries for {len(models)} models"
             )
+    if inputs.sites is not None and len(inputs.sites) != len(models):
+        raise ValueError(
+            f"{method}: FusionInputs.sites reaches {len(inputs.sites)} sites for "
+            f"{len(models)} models"
+        )
     needs = set(needs)
     spec = models[0].spec
     if "data" in needs and inputs.data is not None:

@@ -1,4 +1,5 @@
-"""fedfuse's ClientApp with real faults, by partition id: 1 raises mid-round, 2 hangs."""
+"""fedfuse's ClientApp with real faults, by partition id: 1 raises mid-round, 2 hangs, 3 trains
+but raises in the statistics rounds after the first (for methods fitted on the sites' data)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedfuse.clients.client_app import train_and_upload
+from fedfuse.clients.client_app import statistics_round, train_and_upload
 
 app = ClientApp()
 
@@ -24,3 +25,11 @@ def train(msg: Message, context: Context) -> Message:
     if partition_id == 2:
         time.sleep(HANG_SECONDS)
     return train_and_upload(msg, context)
+
+
+@app.query("statistics")
+def statistics(msg: Message, context: Context) -> Message:
+    """Site 3 answers the first statistics round only."""
+    if int(context.node_config["partition-id"]) == 3 and int(msg.content["request"]["level"]) > 0:
+        raise RuntimeError("site 3 crashed in a statistics round (fault injected by the test app)")
+    return statistics_round(msg, context)

@@ -1,0 +1,388 @@
+r"""Neuron interpolation fitted on the sites' own data: HF/KF grouping, RegMean-style fits.
+
+Neuron-interpolation fusion (:mod:`fedfuse.fusion.neuron_interpolation`) groups the base
+models' neurons and fits each fused level to the group centres on the server's fusion set, a few
+hundred samples that in practice come from one site. Here every level is instead fitted on all
+the sites' training data, through the statistics each site computes on its own data
+(:mod:`fedfuse.fusion.site_statistics`), still zero-shot: sites only run forward passes. The
+fused model is built bottom-up, one neuron level per round:
+
+1. The server sends the fused model (levels below ``l`` final); site ``k`` returns, for the fused
+   level's design ``X_k`` on its data and its own model's level outputs ``Z_k``, the statistics
+   ``G_k = X_k^T X_k``, ``B_k = X_k^T Z_k``, ``C_k = Z_k^T Z_k`` and the translation
+   ``H_k = (G_k + lambda_k I)^{-1} B_k`` of its neurons into the fused inputs.
+2. *Grouping*: neuron ``i`` of model ``k`` is the column ``h_i`` of ``H_k``, a function of the
+   fused inputs; with ``G = sum_k G_k = R^T R`` the pooled design's Gram, ``||R (h_i - h_j)||``
+   is the distance of two neurons' outputs over all sites' data. The points ``R h_i`` are
+   grouped as in HF (Hungarian matching of two models) or KF (importance-weighted k-means),
+   weighted by the sites' importance scores.
+3. *Reading*: fused neuron ``c`` is read, on site ``k``'s data, as model ``k``'s neurons in group
+   ``c`` (importance-weighted mean), or model ``k``'s nearest neuron when the group has none of
+   its neurons: a matrix ``P_k`` (``fused width x width_k``). The classifier reads each model's
+   own logits.
+4. *Fit* (RegMean-style, but on the fused inputs): on each site's data the fused level should
+   reproduce the site's own model, the expert there,
+   ``W = argmin sum_k ||X_k W - Z_k P_k^T||^2 + lambda ||W||^2
+   = (G + lambda I)^{-1} sum_k B_k P_k^T``, the ridge chosen by GCV from the same statistics.
+
+Because each level is fitted to what the *fused* prefix actually computes, errors of lower
+levels are corrected, as in the paper's bottom-up fit; because each site's data is fitted to
+its own model, a sharded site's classes are learned from the site that has them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models import LeveledModel, ModelSpec, build_model
+from .affine import affine_view
+from .base import FusionInputs, FusionMethod, register_fusion_method
+from .inputs import check_levels, resolve_scores
+from .kmeans import weighted_centers, weighted_kmeans
+from .matching import linear_assignment, pair_labels
+from .ridge import RIDGE_GRID, ridge_fit
+from .site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
+
+log = logging.getLogger(__name__)
+
+
+class SiteInterpolation(FusionMethod):
+    """Neuron-interpolation fusion fitted on the sites' statistics (one round per level).
+
+    The shared base of :class:`HFSites` and :class:`KFSites`. Needs
+    :attr:`FusionInputs.sites`, a :class:`~fedfuse.fusion.site_statistics.SiteChannel` (in a
+    Flower run the strategy provides it; in the library,
+    :class:`~fedfuse.fusion.site_statistics.LocalSites`); no fusion set.
+
+    Args:
+        grouping: ``"hungarian"`` (two models of equal width) or ``"kmeans"``.
+        use_scores: weight neurons by the sites' importance scores (else uniformly).
+        score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
+        ridge: relative ridge of every level's fit; None chooses it per level by GCV over
+            :data:`~fedfuse.fusion.ridge.RIDGE_GRID` from the sites' statistics.
+        max_samples: samples of each site used for its statistics (None: all).
+        statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
+        n_init, max_iter, tol: K-means restarts, Lloyd iterations and relative tolerance.
+        seed: seeds k-means, the fused model's unused parameters and the sites' subsets.
+        progress: show a progress bar over levels.
+    """
+
+    name = "site-interpolation"
+    requires = frozenset({"sites"})
+    same_spec = False
+    retargetable = True
+    needs_affine_levels = True
+
+    def __init__(
+        self,
+        grouping: str = "kmeans",
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        ridge: float | None = None,
+        max_samples: int | None = None,
+        statistics_dtype: str = "float32",
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> None:
+        if grouping not in ("hungarian", "kmeans"):
+            raise ValueError(f"grouping must be 'hungarian' or 'kmeans', got {grouping!r}")
+        if ridge is not None and not ridge >= 0:
+            raise ValueError(f"ridge must be >= 0 or None, got {ridge}")
+        if statistics_dtype not in STATISTICS_DTYPES:
+            raise ValueError(f"statistics_dtype must be one of {sorted(STATISTICS_DTYPES)}")
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+        self.grouping = grouping
+        self.use_scores = use_scores
+        self.score_normalization = score_normalization
+        self.ridge = ridge
+        self.max_samples = max_samples
+        self.statistics_dtype = statistics_dtype
+        self.n_init = n_init
+        self.max_iter = max_iter
+        self.tol = tol
+        self.seed = seed
+        self.progress = progress
+
+    @property
+    def max_models(self) -> int | None:  # type: ignore[override]
+        return 2 if self.grouping == "hungarian" else None
+
+    def needs(self) -> frozenset[str]:
+        return self.requirements() | ({"scores"} if self.use_scores else set())
+
+    # ------------------------------------------------------------------ checks
+    def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
+        levels = check_levels(self.name, models)
+        reference = build_model(target, device="meta")
+        if reference.neuron_levels != levels or target.arch != models[0].spec.arch:
+            raise ValueError(
+                f"{self.name}: the target {target.arch} {target.widths} does not have the base "
+                f"models' levels"
+            )
+        if self.grouping == "hungarian":
+            widths = {m.spec.widths for m in models} | {target.widths}
+            if len(models) != 2 or len(widths) != 1:
+                raise ValueError(
+                    f"{self.name}: Hungarian grouping needs exactly 2 models of the target's "
+                    f"width (got {len(models)} models, widths {sorted(widths)}); use kf-sites"
+                )
+        return levels
+
+    # ------------------------------------------------------------------ the algorithm
+    def _fuse(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        levels = self._check_structure(models, target)
+        sites = inputs.sites
+        assert sites is not None
+        if len(sites) != len(models):
+            raise ValueError(
+                f"{self.name}: FusionInputs.sites reaches {len(sites)} sites for {len(models)} "
+                "models"
+            )
+        scores = resolve_scores(
+            self.name,
+            models,
+            inputs,
+            use_scores=self.use_scores,
+            fallback="uniform",
+            normalization=self.score_normalization,
+            device="cpu",
+        )
+        fused = build_model(target, seed=self.seed).eval()
+        active = list(range(len(models)))
+        details: dict[str, Any] = {"variant": f"{self.grouping}-sites", "levels": [], "rounds": []}
+        bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
+        for index in bar:
+            started = time.perf_counter()
+            request = StatisticsRequest(
+                index, fused, self.max_samples, self.statistics_dtype, self.seed
+            )
+            replies = sites.gather(request)
+            collected = time.perf_counter() - started
+            view = affine_view(fused.levels[index])
+            assert view is not None
+            statistics: dict[int, SiteStatistics] = {}
+            for model_index in active:
+                stats = replies[model_index]
+                if stats is None:
+                    continue
+                stats.check(
+                    view.fan_in,
+                    models[model_index].level_width(index),
+                    source=f"{self.name}: site {model_index}",
+                )
+                statistics[model_index] = stats
+            dropped = [m for m in active if m not in statistics]
+            if dropped:
+                log.warning(
+                    "%s: sites %s gave no statistics for level %s", self.name, dropped, index
+                )
+            active = [m for m in active if m in statistics]
+            if len(active) < (2 if self.grouping == "hungarian" else 1):
+                raise ValueError(
+                    f"{self.name}: statistics of level {fused.level_name(index)} came from "
+                    f"sites {active} only: " + "; ".join(sites.problems[-len(dropped) :])
+                )
+            is_head = index == levels[-1]
+            weights, info = self._fit_level(
+                fused, index, statistics, scores, is_head, fused.level_width(index)
+            )
+            view.set_weights(weights.float())
+            info.update(
+                level=fused.level_name(index),
+                sites=list(statistics),
+                dropped_sites=dropped,
+                collect_seconds=collected,
+                seconds=time.perf_counter() - started,
+            )
+            details["levels"].append(info)
+            details["rounds"].append(
+                {
+                    "level": fused.level_name(index),
+                    "upload_bytes": {str(m): s.payload_bytes() for m, s in statistics.items()},
+                }
+            )
+        details["problems"] = list(sites.problems)
+        return fused, details
+
+    def _fit_level(
+        self,
+        fused: LeveledModel,
+        index: int,
+        statistics: dict[int, SiteStatistics],
+        scores: list[dict[int, torch.Tensor]],
+        is_head: bool,
+        width: int,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The level's weights ``(fan_in, width)`` and what the fit found."""
+        order = list(statistics)
+        gram = sum(statistics[m].gram.double() for m in order)
+        rows = sum(statistics[m].rows for m in order)
+        if is_head:
+            readings = {m: torch.eye(width, dtype=torch.float64) for m in order}
+            info: dict[str, Any] = {}
+        else:
+            readings, info = self._readings(gram, statistics, scores, index, width)
+        rhs = sum(statistics[m].cross.double() @ readings[m].T for m in order)
+        norms = sum(
+            ((readings[m] @ statistics[m].target_gram.double()) * readings[m]).sum(1) for m in order
+        )
+        grid = RIDGE_GRID if self.ridge is None else (self.ridge,)
+        fit = ridge_fit(gram, rhs, norms, rows, grid=grid)
+        info.update(
+            ridge=fit.ridge,
+            ridge_criterion="gcv" if self.ridge is None else "fixed",
+            gcv=fit.criterion,
+            rows=rows,
+            fan_in=gram.shape[0],
+            translation_ridges={str(m): statistics[m].translation_ridge for m in order},
+        )
+        return fit.weights, info
+
+    def _readings(
+        self,
+        gram: torch.Tensor,
+        statistics: dict[int, SiteStatistics],
+        scores: list[dict[int, torch.Tensor]],
+        index: int,
+        width: int,
+    ) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
+        """Group the sites' translated neurons; each model's reading ``(width, width_k)``."""
+        order = list(statistics)
+        factor = _cholesky_upper(gram)
+        points = torch.cat([(factor @ statistics[m].translation.double()).T for m in order])
+        weights = torch.cat([scores[m][index].double().cpu() for m in order])
+        sizes = [statistics[m].translation.shape[1] for m in order]
+        owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(sizes))
+        if self.grouping == "hungarian":
+            labels = pair_labels(points[: sizes[0]], points[sizes[0] :], *weights.split(sizes))
+        else:
+            result = weighted_kmeans(
+                points.float(),
+                weights.float(),
+                width,
+                n_init=self.n_init,
+                max_iter=self.max_iter,
+                tol=self.tol,
+                seed=self.seed + index,
+            )
+            labels = result.labels
+            if width == sizes[0]:  # fused neurons in model order (identical models: identity)
+                centers, _ = weighted_centers(points, weights, labels, width)
+                order_of = linear_assignment(torch.cdist(centers, points[: sizes[0]]).pow(2))
+                labels = order_of[labels]
+        centers, mass = weighted_centers(points, weights, labels, width, dtype=torch.float64)
+        readings: dict[int, torch.Tensor] = {}
+        empty_groups = 0
+        for position, model_index in enumerate(order):
+            mine = owner == position
+            own_labels, own_weights = labels[mine], weights[mine].clamp_min(1e-12)
+            reading = torch.zeros(width, sizes[position], dtype=torch.float64)
+            reading[own_labels, torch.arange(sizes[position])] = own_weights
+            totals = reading.sum(1, keepdim=True)
+            missing = totals.squeeze(1) == 0
+            empty_groups += int(missing.sum())
+            if bool(missing.any()):  # groups without a neuron of this model: its nearest neuron
+                nearest = torch.cdist(centers[missing], points[mine]).argmin(1)
+                reading[missing.nonzero().squeeze(1), nearest] = 1.0
+                totals = reading.sum(1, keepdim=True)
+            readings[model_index] = reading / totals
+        info = {
+            "grouping_cost": float(
+                (weights * (points - centers[labels]).pow(2).sum(1)).sum() / weights.sum()
+            ),
+            "groups_read_by_nearest": empty_groups,
+            "empty_clusters": int((mass == 0).sum()),
+        }
+        return readings, info
+
+
+def _cholesky_upper(gram: torch.Tensor) -> torch.Tensor:
+    """``R`` with ``gram + jitter I = R^T R``, the jitter raised until the factorisation holds."""
+    scale = float(gram.diagonal().mean().clamp_min(1e-300))
+    eye = torch.eye(len(gram), dtype=gram.dtype)
+    jitter = 1e-10 * scale
+    for _ in range(12):
+        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye, upper=True)
+        if int(info) == 0:
+            return factor
+        jitter *= 10
+    raise ValueError("the pooled Gram matrix is not positive semi-definite (NaN statistics?)")
+
+
+@register_fusion_method
+class HFSites(SiteInterpolation):
+    """Hungarian Fusion fitted on the sites' statistics: two models, one-to-one grouping."""
+
+    name = "hf-sites"
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        ridge: float | None = None,
+        max_samples: int | None = None,
+        statistics_dtype: str = "float32",
+        seed: int = 0,
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "hungarian",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            ridge=ridge,
+            max_samples=max_samples,
+            statistics_dtype=statistics_dtype,
+            seed=seed,
+            progress=progress,
+        )
+
+
+@register_fusion_method
+class KFSites(SiteInterpolation):
+    """K-means Fusion fitted on the sites' statistics: any number of models, any width."""
+
+    name = "kf-sites"
+
+    def __init__(
+        self,
+        *,
+        use_scores: bool = True,
+        score_normalization: str = "sum",
+        ridge: float | None = None,
+        max_samples: int | None = None,
+        statistics_dtype: str = "float32",
+        n_init: int = 1,
+        max_iter: int = 100,
+        tol: float = 1e-4,
+        seed: int = 0,
+        progress: bool = False,
+    ) -> None:
+        super().__init__(
+            "kmeans",
+            use_scores=use_scores,
+            score_normalization=score_normalization,
+            ridge=ridge,
+            max_samples=max_samples,
+            statistics_dtype=statistics_dtype,
+            n_init=n_init,
+            max_iter=max_iter,
+            tol=tol,
+            seed=seed,
+            progress=progress,
+        )
+
+
+__all__ = ["HFSites", "KFSites", "SiteInterpolation"]

@@ -1,0 +1,288 @@
+r"""What a site computes on its own data for one level of a fusion: sufficient statistics.
+
+Methods that fit the fused model on the sites' data (:mod:`fedfuse.fusion.site_interpolation`)
+build it bottom-up, one neuron level per round. In the round of level ``l`` the server sends
+the fused model (its levels below ``l`` are final) in a :class:`StatisticsRequest`; each site
+runs the fused prefix and its **own** model on its own training data and returns
+(:func:`site_statistics`), with ``X`` the fused level's design rows (its inputs with a trailing
+1, unfolded for convolutions) and ``Z`` the site model's level-``l`` outputs on the same rows:
+
+* ``gram = X^T X`` (``fan_in x fan_in``): the fused inputs' second moments on the site;
+* ``cross = X^T Z`` (``fan_in x width``): how the site's neurons relate to the fused inputs;
+* ``target_gram = Z^T Z`` (``width x width``): the site neurons' second moments (for the
+  residuals, hence the ridge choice);
+* ``translation``: the site's own ridge fit of its neurons on the fused inputs,
+  ``(gram + lambda I)^{-1} cross`` with ``lambda`` chosen by GCV on the site. It is a function
+  of the three matrices above (nothing more is revealed) computed where the data is, so the
+  server does one factorisation per level instead of one per site.
+
+Sums over rows add up over sites: the statistics of a union of datasets are the sums of the
+statistics of its parts (:func:`pooled`), which is what makes the server's least-squares fit
+equal the fit on the pooled data. ``docs/privacy.md`` says what each statistic reveals.
+
+The server reaches the sites through a :class:`SiteChannel`: :class:`LocalSites` calls
+:func:`site_statistics` in-process (the library, ``fedfuse compare``); the Flower strategy sends
+one query message per site and round and the ClientApp calls the same function.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..models import LeveledModel
+from ..runtime import resolve_device
+from .affine import affine_view, output_rows
+from .ridge import ridge_fit
+
+#: wire precision of the statistics (sums are accumulated in float64 either way)
+STATISTICS_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+#: design rows multiplied at once (bounds the memory of unfolded convolution patches)
+_ROW_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class StatisticsRequest:
+    """The server's request for one round: the statistics of neuron level ``level``.
+
+    Attributes:
+        level: index of the fused model's level to fit (a level with neurons).
+        fused: the fused model; its levels below ``level`` are final.
+        max_samples: use at most this many of the site's samples (a seeded subset; None: all).
+        dtype: wire precision of the returned matrices (``"float32"`` or ``"float64"``).
+        seed: seeds the subset.
+    """
+
+    level: int
+    fused: LeveledModel
+    max_samples: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STATISTICS_DTYPES:
+            raise ValueError(f"statistics dtype must be one of {sorted(STATISTICS_DTYPES)}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1 or None, got {self.max_samples}")
+        if affine_view(self.fused.levels[self.level]) is None:
+            raise ValueError(
+                f"level {self.fused.level_name(self.level)} of the fused model is not affine "
+                "(parameter-free ops then one Linear/Conv2d); site statistics need affine levels"
+            )
+
+
+@dataclass
+class SiteStatistics:
+    """One site's statistics of one level (see the module docstring).
+
+    ``rows`` counts design rows (samples times output positions); ``translation_ridge`` is the
+    relative ridge of ``translation``.
+    """
+
+    level: int
+    rows: int
+    gram: torch.Tensor
+    cross: torch.Tensor
+    target_gram: torch.Tensor
+    translation: torch.Tensor
+    translation_ridge: float = 0.0
+    seconds: float = field(default=0.0, compare=False)
+
+    TENSORS = ("gram", "cross", "target_gram", "translation")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The matrices by name (what travels, in their wire precision)."""
+        return {name: getattr(self, name) for name in self.TENSORS}
+
+    def payload_bytes(self) -> int:
+        """Bytes of the matrices as uploaded."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def check(self, fan_in: int, width: int, *, source: str) -> None:
+        """Raise ValueError naming ``source`` and the tensor unless shapes and values fit."""
+        expected = {
+            "gram": (fan_in, fan_in),
+            "cross": (fan_in, width),
+            "target_gram": (width, width),
+            "translation": (fan_in, width),
+        }
+        for name, shape in expected.items():
+            tensor = getattr(self, name)
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                raise ValueError(f"{source}: statistic {name!r} is not a float tensor")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"{source}: statistic {name!r} of level {self.level} has shape "
+                    f"{tuple(tensor.shape)}, expected {shape}"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{source}: statistic {name!r} has NaN/Inf values")
+        if not (isinstance(self.rows, int) and self.rows > 0):
+            raise ValueError(f"{source}: statistics of level {self.level} count {self.rows} rows")
+        if not math.isfinite(self.translation_ridge) or self.translation_ridge < 0:
+            raise ValueError(f"{source}: translation ridge {self.translation_ridge} is invalid")
+
+
+@runtime_checkable
+class SiteChannel(Protocol):
+    """How the server reaches the sites for statistics rounds, one per base model."""
+
+    def __len__(self) -> int: ...
+
+    def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
+        """Each site's statistics, in model order; None for a site that did not answer (the
+        channel records why in :attr:`problems`)."""
+        ...
+
+    @property
+    def problems(self) -> list[str]: ...
+
+
+@torch.no_grad()
+def site_statistics(
+    model: LeveledModel,
+    data: torch.Tensor,
+    request: StatisticsRequest,
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "auto",
+) -> SiteStatistics:
+    """A site's statistics of ``request.level``: its own model and the fused prefix on ``data``.
+
+    What the Flower ClientApp runs in each statistics round, and :class:`LocalSites` in-process.
+
+    Args:
+        model: the site's own trained model (the fused model's architecture up to the level;
+            widths may differ).
+        data: the site's training inputs ``(N, ...)``, normalised like the training data.
+        request: the server's request (the fused model and the level).
+        batch_size: samples per forward pass (design rows are chunked further).
+        device: where to compute (``"auto"``: CUDA when available).
+    """
+    started = time.perf_counter()
+    if len(data) == 0:
+        raise ValueError("site statistics need at least one sample")
+    index = request.level
+    run_on = resolve_device(device)
+    fused, own = (_on(m, run_on) for m in (request.fused, model))
+    view = affine_view(fused.levels[index])
+    assert view is not None  # checked by the request
+    if request.max_samples is not None and request.max_samples < len(data):
+        generator = torch.Generator().manual_seed(request.seed)
+        data = data[torch.randperm(len(data), generator=generator)[: request.max_samples]]
+    width = own.level_width(index)
+    gram = torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64, device=run_on)
+    cross = torch.zeros(view.fan_in, width, dtype=torch.float64, device=run_on)
+    target_gram = torch.zeros(width, width, dtype=torch.float64, device=run_on)
+    rows = 0
+    for start in range(0, len(data), batch_size):
+        x = data[start : start + batch_size].to(run_on)
+        fused_inputs = fused.forward_levels(x, 0, index)
+        outputs = own.forward_levels(x, 0, index + 1)
+        positions = max(1, len(output_rows(outputs[:1])))
+        step = max(1, _ROW_BUDGET // (positions * view.fan_in))
+        for chunk in range(0, len(x), step):
+            design = view.design(fused_inputs[chunk : chunk + step]).float()
+            z = output_rows(outputs[chunk : chunk + step]).float()
+            if len(design) != len(z):
+                raise ValueError(
+                    f"level {index}: the fused level gives {len(design)} rows per batch, the "
+                    f"site's model {len(z)}; the architectures differ"
+                )
+            gram += (design.T @ design).double()
+            cross += (design.T @ z).double()
+            target_gram += (z.T @ z).double()
+            rows += len(design)
+    fit = ridge_fit(gram, cross, target_gram.diagonal(), rows)
+    wire = STATISTICS_DTYPES[request.dtype]
+    return SiteStatistics(
+        level=index,
+        rows=rows,
+        gram=gram.to(wire).cpu(),
+        cross=cross.to(wire).cpu(),
+        target_gram=target_gram.to(wire).cpu(),
+        translation=fit.weights.to(wire).cpu(),
+        translation_ridge=fit.ridge,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _on(model: LeveledModel, device: torch.device) -> LeveledModel:
+    """``model`` in eval mode on ``device``: itself when it is there already, else a copy (the
+    caller's model is never moved or switched to eval mode)."""
+    if next(model.parameters()).device == device and not model.training:
+        return model
+    return copy.deepcopy(model).to(device).eval()
+
+
+def pooled(statistics: Sequence[SiteStatistics]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(sum gram, sum target_gram, sum rows)`` over sites whose models share one width: the
+    statistics of the pooled data (``cross`` sums too, but each site's relates its own model)."""
+    gram = sum(s.gram.double() for s in statistics)
+    target = sum(s.target_gram.double() for s in statistics)
+    return gram, target, sum(s.rows for s in statistics)  # type: ignore[return-value]
+
+
+def statistics_round_bytes(details: dict, num_sites: int) -> list[list[int]]:
+    """Bytes each site uploaded in each statistics round (``[round][site]``, 0 where it sent
+    nothing), from a fusion result's details (empty for methods without such rounds)."""
+    rounds = details.get("rounds", []) if isinstance(details, dict) else []
+    return [
+        [int(r.get("upload_bytes", {}).get(str(site), 0)) for site in range(num_sites)]
+        for r in rounds
+    ]
+
+
+class LocalSites:
+    """The sites in-process: each base model with its own training inputs.
+
+    The library's :class:`SiteChannel` (``fedfuse compare``, tests, notebooks): every request is
+    answered by :func:`site_statistics` on each site's data, one site after the other.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[LeveledModel],
+        data: Sequence[torch.Tensor],
+        *,
+        batch_size: int = 256,
+        device: str | torch.device = "auto",
+    ) -> None:
+        if len(models) != len(data):
+            raise ValueError(f"LocalSites: {len(models)} models but {len(data)} datasets")
+        self.models = list(models)
+        self.data = list(data)
+        self.batch_size = batch_size
+        self.device = device
+        self._problems: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    @property
+    def problems(self) -> list[str]:
+        return self._problems
+
+    def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
+        return [
+            site_statistics(m, d, request, batch_size=self.batch_size, device=self.device)
+            for m, d in zip(self.models, self.data, strict=True)
+        ]
+
+
+__all__ = [
+    "LocalSites",
+    "STATISTICS_DTYPES",
+    "SiteChannel",
+    "SiteStatistics",
+    "StatisticsRequest",
+    "pooled",
+    "site_statistics",
+    "statistics_round_bytes",
+]

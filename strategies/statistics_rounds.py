@@ -1,0 +1,139 @@
+"""Statistics rounds over Flower: the :class:`~fedfuse.fusion.site_statistics.SiteChannel` of a
+Flower run, used by methods fitted on the sites' data (``kf-sites``, ``hf-sites``).
+
+After the train round, such a method asks for one round per level. Each round sends every
+site that uploaded a ``query.statistics`` message (the fused model so far and the site's own
+model) and takes the replies as they arrive, with the train round's reply timeout and flow
+control. A reply is validated before it is used; a site that fails, answers garbage or stays
+silent is named in :attr:`FlowerSites.problems` and gets None, which the method handles (K-means
+grouping goes on without that site; Hungarian grouping needs both).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+from fedfuse.clients.records import (
+    STATISTICS_MESSAGE,
+    pack_statistics_request,
+    unpack_statistics,
+)
+from fedfuse.fusion.affine import affine_view
+from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
+from fedfuse.models import LeveledModel
+
+from .replies import short_reason
+
+log = logging.getLogger(__name__)
+
+
+class FlowerSites:
+    """The sites of a Flower run as a ``SiteChannel``: model ``i`` is answered by ``nodes[i]``.
+
+    Args:
+        grid: the run's grid.
+        models: the sites' uploaded models, in the order the fusion method sees them.
+        nodes: the node id of each model's site.
+        names: how each site is named in problems (e.g. ``client 3 (node 42)``).
+        timeout: seconds to wait for one round's replies.
+        max_in_flight: messages out at once (0: all), as for the train round.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        models: Sequence[LeveledModel],
+        nodes: Sequence[int],
+        names: Sequence[str],
+        *,
+        timeout: float,
+        max_in_flight: int = 0,
+    ) -> None:
+        if not len(models) == len(nodes) == len(names):
+            raise ValueError("FlowerSites: one node and one name per model")
+        self.grid = grid
+        self.models = models
+        self.nodes = list(nodes)
+        self.names = list(names)
+        self.timeout = timeout
+        self.max_in_flight = max_in_flight
+        self._problems: list[str] = []
+        #: per round: the level and the seconds it took
+        self.rounds: list[dict[str, float]] = []
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def problems(self) -> list[str]:
+        return self._problems
+
+    def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
+        from .one_shot import stream_replies  # one module for the streaming of replies
+
+        started = time.monotonic()
+        view = affine_view(request.fused.levels[request.level])
+        assert view is not None
+        messages = [
+            Message(
+                content=pack_statistics_request(request, self.models[index]),
+                message_type=STATISTICS_MESSAGE,
+                dst_node_id=node,
+            )
+            for index, node in enumerate(self.nodes)
+        ]
+        index_of = {node: index for index, node in enumerate(self.nodes)}
+        answers: list[SiteStatistics | None] = [None] * len(self.nodes)
+        replies = stream_replies(
+            self.grid, messages, self.timeout, max_in_flight=self.max_in_flight
+        )
+        while True:
+            try:
+                reply = next(replies)
+            except StopIteration as done:
+                for node in done.value:
+                    self._note(index_of[node], "no statistics before the reply timeout")
+                break
+            index = index_of.get(reply.metadata.src_node_id)
+            if index is None:
+                continue
+            answers[index] = self._decode(reply, index, request, view.fan_in)
+        self.rounds.append({"level": request.level, "seconds": time.monotonic() - started})
+        log.info(
+            "statistics round of level %d: %d of %d sites answered in %.1f s",
+            request.level,
+            sum(a is not None for a in answers),
+            len(answers),
+            time.monotonic() - started,
+        )
+        return answers
+
+    def _decode(
+        self, reply: Message, index: int, request: StatisticsRequest, fan_in: int
+    ) -> SiteStatistics | None:
+        name = self.names[index]
+        if reply.has_error():
+            self._note(index, f"the client failed: {short_reason(reply.error.reason)}")
+            return None
+        try:
+            statistics = unpack_statistics(reply.content, source=name)
+            if statistics.level != request.level:
+                raise ValueError(
+                    f"{name}: answered for level {statistics.level}, not {request.level}"
+                )
+            width = self.models[index].level_width(request.level)
+            statistics.check(fan_in, width, source=name)
+        except ValueError as error:
+            self._note(index, str(error).removeprefix(f"{name}: "))
+            return None
+        return statistics
+
+    def _note(self, index: int, problem: str) -> None:
+        message = f"{self.names[index]}: statistics round: {problem}"
+        self._problems.append(message)
+        log.error("%s", message)
