@@ -86,6 +86,7 @@ def pack_statistics_request(request: StatisticsRequest, model: LeveledModel) -> 
                     "max-samples": -1 if request.max_samples is None else request.max_samples,
                     "dtype": request.dtype,
                     "seed": request.seed,
+                    "gram-rank": -1 if request.gram_rank is None else request.gram_rank,
                 }
             ),
         }
@@ -102,13 +103,21 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         model_state = unpack_tensors(content.array_records[WEIGHTS_KEY])
         level, max_samples = int(config["level"]), int(config["max-samples"])
         dtype, seed = str(config["dtype"]), int(config["seed"])
+        gram_rank = int(config.get("gram-rank", -1))
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"malformed statistics request ({error!r})") from None
     fused = model_from_state(fused_spec, fused_state, source="the fused model of the request")
     model = model_from_state(model_spec, model_state, source="the site's model in the request")
     if not 0 <= level < fused.num_levels:
         raise ValueError(f"statistics request for level {level}; the model has {fused.num_levels}")
-    request = StatisticsRequest(level, fused, None if max_samples < 0 else max_samples, dtype, seed)
+    request = StatisticsRequest(
+        level,
+        fused,
+        None if max_samples < 0 else max_samples,
+        dtype,
+        seed,
+        None if gram_rank < 0 else gram_rank,
+    )
     return request, model
 
 
@@ -122,6 +131,7 @@ def pack_statistics(statistics: SiteStatistics) -> RecordDict:
                     "level": statistics.level,
                     "rows": statistics.rows,
                     "translation-ridge": statistics.translation_ridge,
+                    "gram-floor": statistics.gram_floor,
                     f"{SECONDS_PREFIX}statistics": statistics.seconds,
                 }
             ),
@@ -142,6 +152,7 @@ def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, level)):
             raise TypeError(f"rows {rows!r} and level {level!r} must be integers")
         ridge = float(metrics.get("translation-ridge", 0.0))
+        floor = float(metrics.get("gram-floor", 0.0))
         seconds = float(metrics.get(f"{SECONDS_PREFIX}statistics", 0.0))
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{source}: malformed statistics reply ({error})"[:300]) from None
@@ -153,5 +164,6 @@ def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
         target_gram=tensors["target_gram"],
         translation=tensors["translation"],
         translation_ridge=ridge,
+        gram_floor=floor,
         seconds=seconds,
     )

@@ -14,7 +14,7 @@ from fedfuse.fusion.affine import affine_view
 from fedfuse.fusion.inputs import FusionInputs
 from fedfuse.fusion.least_squares import weighted_least_squares
 from fedfuse.fusion.ridge import ridge_fit
-from fedfuse.fusion.site_statistics import SiteStatistics
+from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 
 SPEC = mlp_spec((1, 3, 3), 3, (7, 6))
@@ -192,3 +192,39 @@ def test_site_statistics_validate_themselves():
     stats.target_gram[1, 1] = float("inf")
     with pytest.raises(ValueError, match="site 4: statistic 'target_gram' has NaN/Inf"):
         stats.check(3, 2, source="site 4")
+
+
+def test_a_compressed_gram_keeps_the_top_spectrum_and_the_trace():
+    x = _randn(60, 50, 8).double() * torch.linspace(3, 0.1, 8).double()
+    gram = x.T @ x
+    factor, floor = compress_gram(gram, 3)
+    stats = SiteStatistics(0, 50, factor, torch.ones(8, 2), torch.eye(2), torch.ones(8, 2))
+    stats.gram_floor = floor
+    assert stats.compressed and factor.shape == (8, 3)
+    full = stats.full_gram()
+    exact, approx = torch.linalg.eigvalsh(gram), torch.linalg.eigvalsh(full)
+    torch.testing.assert_close(approx[-3:], exact[-3:])
+    torch.testing.assert_close(approx[:-3], torch.full((5,), floor, dtype=torch.float64))
+    torch.testing.assert_close(full.trace(), gram.trace())
+    # a Gram of rank <= r is reconstructed exactly
+    low = x[:, :2] @ x[:, :2].T
+    factor, floor = compress_gram(low.T @ low, 3)
+    exact_stats = SiteStatistics(0, 50, factor, torch.ones(50, 2), torch.eye(2), torch.ones(50, 2))
+    exact_stats.gram_floor = floor
+    torch.testing.assert_close(exact_stats.full_gram(), low.T @ low, rtol=1e-9, atol=1e-6)
+
+
+def test_compressed_grams_upload_fewer_bytes():
+    models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
+    data = [_randn(70 + k, 40, 1, 3, 3) for k in range(2)]
+    full, compressed = (
+        KFSites(use_scores=False, gram_rank=rank).fuse(
+            models, FusionInputs(sites=LocalSites(models, data, device="cpu"))
+        )
+        for rank in (None, 4)
+    )
+    sent = [r["upload_bytes"]["0"] for r in compressed.details["rounds"]]
+    whole = [r["upload_bytes"]["0"] for r in full.details["rounds"]]
+    # every level is wider than 4 inputs: each Gram goes as a 4-column factor
+    assert all(s < w for s, w in zip(sent, whole, strict=True))
+    assert sent[0] == 4 * (10 * 4 + 2 * 10 * 7 + 7 * 7)

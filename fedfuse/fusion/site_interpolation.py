@@ -67,6 +67,9 @@ class SiteInterpolation(FusionMethod):
             :data:`~fedfuse.fusion.ridge.RIDGE_GRID` from the sites' statistics.
         max_samples: samples of each site used for its statistics (None: all).
         statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
+        gram_rank: compress each site's Gram of levels wider than this to its top eigenpairs
+            plus an isotropic remainder (``fan_in x gram_rank`` floats instead of
+            ``fan_in^2``); None sends it in full.
         n_init, max_iter, tol: K-means restarts, Lloyd iterations and relative tolerance.
         seed: seeds k-means, the fused model's unused parameters and the sites' subsets.
         progress: show a progress bar over levels.
@@ -87,12 +90,15 @@ class SiteInterpolation(FusionMethod):
         ridge: float | None = None,
         max_samples: int | None = None,
         statistics_dtype: str = "float32",
+        gram_rank: int | None = None,
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-4,
         seed: int = 0,
         progress: bool = False,
     ) -> None:
+        if gram_rank is not None and gram_rank < 1:
+            raise ValueError(f"gram_rank must be >= 1 or None, got {gram_rank}")
         if grouping not in ("hungarian", "kmeans"):
             raise ValueError(f"grouping must be 'hungarian' or 'kmeans', got {grouping!r}")
         if ridge is not None and not ridge >= 0:
@@ -107,6 +113,7 @@ class SiteInterpolation(FusionMethod):
         self.ridge = ridge
         self.max_samples = max_samples
         self.statistics_dtype = statistics_dtype
+        self.gram_rank = gram_rank
         self.n_init = n_init
         self.max_iter = max_iter
         self.tol = tol
@@ -166,7 +173,7 @@ class SiteInterpolation(FusionMethod):
         for index in bar:
             started = time.perf_counter()
             request = StatisticsRequest(
-                index, fused, self.max_samples, self.statistics_dtype, self.seed
+                index, fused, self.max_samples, self.statistics_dtype, self.seed, self.gram_rank
             )
             replies = sites.gather(request)
             collected = time.perf_counter() - started
@@ -227,7 +234,7 @@ class SiteInterpolation(FusionMethod):
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The level's weights ``(fan_in, width)`` and what the fit found."""
         order = list(statistics)
-        gram = sum(statistics[m].gram.double() for m in order)
+        gram = sum(statistics[m].full_gram() for m in order)
         rows = sum(statistics[m].rows for m in order)
         if is_head:
             readings = {m: torch.eye(width, dtype=torch.float64) for m in order}
@@ -335,6 +342,7 @@ class HFSites(SiteInterpolation):
         ridge: float | None = None,
         max_samples: int | None = None,
         statistics_dtype: str = "float32",
+        gram_rank: int | None = None,
         seed: int = 0,
         progress: bool = False,
     ) -> None:
@@ -345,6 +353,7 @@ class HFSites(SiteInterpolation):
             ridge=ridge,
             max_samples=max_samples,
             statistics_dtype=statistics_dtype,
+            gram_rank=gram_rank,
             seed=seed,
             progress=progress,
         )
@@ -364,6 +373,7 @@ class KFSites(SiteInterpolation):
         ridge: float | None = None,
         max_samples: int | None = None,
         statistics_dtype: str = "float32",
+        gram_rank: int | None = None,
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-4,
@@ -377,6 +387,7 @@ class KFSites(SiteInterpolation):
             ridge=ridge,
             max_samples=max_samples,
             statistics_dtype=statistics_dtype,
+            gram_rank=gram_rank,
             n_init=n_init,
             max_iter=max_iter,
             tol=tol,

@@ -57,6 +57,8 @@ class StatisticsRequest:
         max_samples: use at most this many of the site's samples (a seeded subset; None: all).
         dtype: wire precision of the returned matrices (``"float32"`` or ``"float64"``).
         seed: seeds the subset.
+        gram_rank: send ``gram`` compressed to its top ``gram_rank`` eigenpairs plus an
+            isotropic remainder on levels wider than that (None: always in full).
     """
 
     level: int
@@ -64,10 +66,13 @@ class StatisticsRequest:
     max_samples: int | None = None
     dtype: str = "float32"
     seed: int = 0
+    gram_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in STATISTICS_DTYPES:
             raise ValueError(f"statistics dtype must be one of {sorted(STATISTICS_DTYPES)}")
+        if self.gram_rank is not None and self.gram_rank < 1:
+            raise ValueError(f"gram_rank must be >= 1 or None, got {self.gram_rank}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be >= 1 or None, got {self.max_samples}")
         if affine_view(self.fused.levels[self.level]) is None:
@@ -82,7 +87,10 @@ class SiteStatistics:
     """One site's statistics of one level (see the module docstring).
 
     ``rows`` counts design rows (samples times output positions); ``translation_ridge`` is the
-    relative ridge of ``translation``.
+    relative ridge of ``translation``. A compressed ``gram`` is a factor ``F`` (``fan_in x r``,
+    ``r < fan_in``) with ``gram ~ F F^T + gram_floor (I - P)``, ``P`` the projection onto
+    ``F``'s columns: the top ``r`` eigenpairs exactly, the rest as their mean eigenvalue
+    (:meth:`full_gram`).
     """
 
     level: int
@@ -92,6 +100,7 @@ class SiteStatistics:
     target_gram: torch.Tensor
     translation: torch.Tensor
     translation_ridge: float = 0.0
+    gram_floor: float = 0.0
     seconds: float = field(default=0.0, compare=False)
 
     TENSORS = ("gram", "cross", "target_gram", "translation")
@@ -100,14 +109,30 @@ class SiteStatistics:
         """The matrices by name (what travels, in their wire precision)."""
         return {name: getattr(self, name) for name in self.TENSORS}
 
+    @property
+    def compressed(self) -> bool:
+        return self.gram.dim() == 2 and self.gram.shape[0] != self.gram.shape[1]
+
+    def full_gram(self) -> torch.Tensor:
+        """``X^T X`` in float64 (reconstructed from the factor when compressed)."""
+        gram = self.gram.double()
+        if not self.compressed:
+            return gram
+        norms = gram.norm(dim=0).clamp_min(1e-300)
+        basis = gram / norms
+        full = gram @ gram.T - self.gram_floor * (basis @ basis.T)
+        full.diagonal().add_(self.gram_floor)
+        return full
+
     def payload_bytes(self) -> int:
         """Bytes of the matrices as uploaded."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def check(self, fan_in: int, width: int, *, source: str) -> None:
         """Raise ValueError naming ``source`` and the tensor unless shapes and values fit."""
+        rank = self.gram.shape[1] if self.gram.dim() == 2 and self.compressed else fan_in
         expected = {
-            "gram": (fan_in, fan_in),
+            "gram": (fan_in, rank if rank < fan_in else fan_in),
             "cross": (fan_in, width),
             "target_gram": (width, width),
             "translation": (fan_in, width),
@@ -125,6 +150,8 @@ class SiteStatistics:
                 raise ValueError(f"{source}: statistic {name!r} has NaN/Inf values")
         if not (isinstance(self.rows, int) and self.rows > 0):
             raise ValueError(f"{source}: statistics of level {self.level} count {self.rows} rows")
+        if not math.isfinite(self.gram_floor) or self.gram_floor < 0:
+            raise ValueError(f"{source}: gram floor {self.gram_floor} is invalid")
         if not math.isfinite(self.translation_ridge) or self.translation_ridge < 0:
             raise ValueError(f"{source}: translation ridge {self.translation_ridge} is invalid")
 
@@ -201,16 +228,31 @@ def site_statistics(
             rows += len(design)
     fit = ridge_fit(gram, cross, target_gram.diagonal(), rows)
     wire = STATISTICS_DTYPES[request.dtype]
+    sent, floor = gram, 0.0
+    if request.gram_rank is not None and request.gram_rank < view.fan_in:
+        sent, floor = compress_gram(gram, request.gram_rank)
     return SiteStatistics(
         level=index,
         rows=rows,
-        gram=gram.to(wire).cpu(),
+        gram=sent.to(wire).cpu(),
+        gram_floor=floor,
         cross=cross.to(wire).cpu(),
         target_gram=target_gram.to(wire).cpu(),
         translation=fit.weights.to(wire).cpu(),
         translation_ridge=fit.ridge,
         seconds=time.perf_counter() - started,
     )
+
+
+def compress_gram(gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:
+    """``(F, floor)``: the factor ``V_r sqrt(E_r)`` of the top ``rank`` eigenpairs and the mean
+    of the other eigenvalues (see :class:`SiteStatistics`); trace and top spectrum are kept."""
+    eigenvalues, vectors = torch.linalg.eigh(gram.double())
+    eigenvalues = eigenvalues.clamp_min(0)
+    top = eigenvalues[-rank:]
+    rest = eigenvalues[:-rank]
+    floor = float(rest.mean()) if len(rest) else 0.0
+    return vectors[:, -rank:] * top.sqrt(), floor
 
 
 def _on(model: LeveledModel, device: torch.device) -> LeveledModel:
@@ -224,7 +266,7 @@ def _on(model: LeveledModel, device: torch.device) -> LeveledModel:
 def pooled(statistics: Sequence[SiteStatistics]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(sum gram, sum target_gram, sum rows)`` over sites whose models share one width: the
     statistics of the pooled data (``cross`` sums too, but each site's relates its own model)."""
-    gram = sum(s.gram.double() for s in statistics)
+    gram = sum(s.full_gram() for s in statistics)
     target = sum(s.target_gram.double() for s in statistics)
     return gram, target, sum(s.rows for s in statistics)  # type: ignore[return-value]
 
@@ -283,6 +325,7 @@ __all__ = [
     "SiteStatistics",
     "StatisticsRequest",
     "pooled",
+    "compress_gram",
     "site_statistics",
     "statistics_round_bytes",
 ]
