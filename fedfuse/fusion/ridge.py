@@ -62,8 +62,7 @@ def ridge_fit(
         )
     if not grid:
         raise ValueError("ridge_fit: the ridge grid is empty")
-    eigenvalues, vectors = torch.linalg.eigh((g + g.T) / 2)
-    eigenvalues = eigenvalues.clamp_min(0)
+    eigenvalues, vectors = symmetric_eigh(g)
     top = float(eigenvalues.max()) if len(eigenvalues) else 0.0
     kept = eigenvalues > rcond * top
     rotated = vectors.T @ b  # (p, k)
@@ -87,6 +86,30 @@ def ridge_fit(
     inverse = _shrunk_inverse(eigenvalues, kept, grid[best] * scale)
     fitted = vectors @ (inverse[:, None] * rotated)
     return RidgeFit(fitted, float(grid[best]), tuple(grid), criterion)
+
+
+def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a PSD matrix, in float64.
+
+    LAPACK's divide-and-conquer ``eigh`` fails to converge on some Gram matrices of
+    convolutional levels (many exactly repeated zero eigenvalues: channels dead on every row).
+    The matrix is scaled to unit mean diagonal, and on failure a jitter (1e-12, raised tenfold)
+    separates the repeated eigenvalues; it is subtracted again from the result.
+    """
+    m = matrix.double()
+    m = (m + m.T) / 2
+    scale = float(m.diagonal().mean()) if len(m) else 1.0
+    scale = scale if scale > 0 else 1.0
+    m = m / scale
+    eye = torch.eye(len(m), dtype=m.dtype, device=m.device)
+    jitter = 0.0
+    for _ in range(8):
+        try:
+            values, vectors = torch.linalg.eigh(m + jitter * eye)
+            return ((values - jitter) * scale).clamp_min(0), vectors
+        except torch.linalg.LinAlgError:
+            jitter = 1e-12 if jitter == 0 else jitter * 10
+    raise ValueError("eigendecomposition of a Gram matrix failed (NaN/Inf statistics?)")
 
 
 def _shrunk_inverse(eigenvalues: torch.Tensor, kept: torch.Tensor, penalty: float) -> torch.Tensor:

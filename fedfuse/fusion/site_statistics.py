@@ -39,7 +39,7 @@ import torch
 from ..models import LeveledModel
 from ..runtime import resolve_device
 from .affine import affine_view, output_rows
-from .ridge import ridge_fit
+from .ridge import ridge_fit, symmetric_eigh
 
 #: wire precision of the statistics (sums are accumulated in float64 either way)
 STATISTICS_DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -247,8 +247,7 @@ def site_statistics(
 def compress_gram(gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:
     """``(F, floor)``: the factor ``V_r sqrt(E_r)`` of the top ``rank`` eigenpairs and the mean
     of the other eigenvalues (see :class:`SiteStatistics`); trace and top spectrum are kept."""
-    eigenvalues, vectors = torch.linalg.eigh(gram.double())
-    eigenvalues = eigenvalues.clamp_min(0)
+    eigenvalues, vectors = symmetric_eigh(gram)
     top = eigenvalues[-rank:]
     rest = eigenvalues[:-rank]
     floor = float(rest.mean()) if len(rest) else 0.0
