@@ -28,15 +28,16 @@ from typing import Any
 import torch
 
 from fedfuse.data import ImageDataset
-from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.training import TrainConfig, train
 
 FIXTURE = Path(__file__).with_name("method_regression.json")
 SPEC = make_spec("mlp", (1, 8, 8), 4, widths=(16, 12))
-#: the FusionInputs fields a case may leave out (``drop``)
-FIELDS = ("data", "labels", "scores", "sample_counts", "class_counts", "grams")
+#: the FusionInputs fields a case may leave out (``drop``); ``sites`` answers statistics rounds
+#: in-process, each model on its own site data
+FIELDS = ("data", "labels", "scores", "sample_counts", "class_counts", "grams", "sites")
 GRADIENT = {"epochs": 3, "last_epochs": 3}
 
 
@@ -162,6 +163,10 @@ def _cases() -> list[Case]:
             },
         ),
         Case("fs-merge", {"rank": 0, "epochs": 25, "head": "first"}),
+        Case("kf-sites"),
+        Case("kf-sites", {"gram_rank": 5, "statistics_dtype": "float64"}, models=3),
+        Case("kf-sites", {"ridge": 0.01, "use_scores": False}, models=3, widths=(10, 8)),
+        Case("hf-sites", {"max_samples": 40}),
     ]
     return cases
 
@@ -247,6 +252,9 @@ def case_inputs(setup: Setup, case: Case) -> FusionInputs:
             value = None
         elif name in ("scores", "sample_counts", "class_counts", "grams"):
             value = list(value[: case.models])
+        elif name == "sites":
+            count = case.models
+            value = LocalSites(setup.models[:count], setup.site_data[:count], device="cpu")
         values[name] = value
     return FusionInputs(**values)
 
