@@ -12,8 +12,7 @@ import torch
 from fedfuse.fusion import HFSites, KFSites, LocalSites, StatisticsRequest, site_statistics
 from fedfuse.fusion.affine import affine_view
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.least_squares import weighted_least_squares
-from fedfuse.fusion.ridge import ridge_fit
+from fedfuse.fusion.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 

@@ -2,8 +2,7 @@
 
 One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
 ``neuron_interpolation``, ``site_interpolation``, ``fs_merge``, ``distillation``) over shared
-steps, each in one place (``site_statistics`` and ``ridge``, what sites compute and how a ridge
-is chosen, too):
+steps, each in one place (``site_statistics``: what sites compute for statistics rounds):
 ``base`` (the interface, options and configs), ``inputs`` (checking and resolving
 :class:`FusionInputs`: scores, model and head weights, levels), ``matching`` (neuron costs and
 the Hungarian assignment), ``kmeans``, ``least_squares``, ``alignment``, ``affine``, ``costs``,

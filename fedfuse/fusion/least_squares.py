@@ -10,14 +10,36 @@ columns equal distances between coordinates, so grouping works in ``r <= p`` dim
 the kernel ``X X^T`` (when ``N < p``), in float64. A ridge ``lambda``
 replaces the exact fit by ``W = (X^T X + \lambda I)^{-1} X^T Q t``; it is needed when the fusion
 set has fewer rows than the level's fan-in, where the exact fit interpolates the fusion set.
+
+**Choosing the ridge.** Ridges are *relative*: the penalty is ``ridge * trace(X^T X) / p`` (the
+mean eigenvalue of the Gram matrix; ``trace(X X^T)`` is the same number). When the ridge is not
+given, one eigendecomposition per level (:func:`gram_spectrum`, :func:`kernel_spectrum`) serves
+the grouping coordinates, the choice over :data:`RIDGE_GRID` and the final fit:
+
+* kernel route (``N < p``), *exact leave-one-out*: with ``A = (K + lambda I)^{-1}``, the residual
+  of row ``i`` when the fit omits it is ``(A T)_i / A_ii`` (:func:`loo_scores`);
+* gram route (``N >= p``), *generalised cross-validation* (Golub, Heath & Wahba 1979),
+  ``GCV(lambda) = n RSS(lambda) / (n - tr H(lambda))^2`` (:func:`gcv_scores`), from the
+  eigenvalues, the targets' coordinates and their unprojected squared norms.
+
+Both are mean squared errors per row, summed over output columns (each optionally weighted).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+#: Relative ridges the automatic choice scans: 0 (the exact fit) and 1e-6 .. 10 in half decades.
+#: Below 1e-6 a penalty is within the rounding of float32-accumulated design products (relative
+#: error ~1e-6, see :func:`accumulate_normal_equations`), so it cannot be told from 0; at 10 a
+#: direction of mean eigenvalue keeps 1/11 of its output, past every optimum measured (MLPs and
+#: VGG11 on Fashion-MNIST, docs/ridge.md). Half decades: 16 values, each nearly free once the
+#: level's eigendecomposition exists; neighbours differ by a factor 3.2 in penalty.
+RIDGE_GRID: tuple[float, ...] = (0.0, *(10.0 ** (k / 2) for k in range(-12, 3)))
 
 
 @dataclass
@@ -155,3 +177,308 @@ def weighted_least_squares(
         y = torch.cat([y, y.new_zeros(p, y.shape[1])])
     driver = "gelsd" if x.device.type == "cpu" else None
     return torch.linalg.lstsq(x, y, driver=driver).solution
+
+
+# --------------------------------------------------------------------------- ridge selection
+@dataclass(frozen=True)
+class RidgeChoice:
+    """The relative ridge a criterion chose over a grid, and the criterion along the grid.
+
+    ``scores`` are mean squared errors per row, ``inf`` where undefined (GCV of a fit with as
+    many effective parameters as rows); ties go to the smaller ridge.
+    """
+
+    ridge: float  # relative: the penalty is ridge * trace(X^T X) / p
+    penalty: float  # the absolute penalty of ``ridge``
+    criterion: str  # "loo" (kernel route) or "gcv" (gram route)
+    grid: tuple[float, ...]
+    scores: tuple[float, ...]
+
+
+def loo_scores(
+    values: torch.Tensor,
+    vectors: torch.Tensor,
+    targets: torch.Tensor,
+    penalties: Sequence[float],
+    column_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Exact leave-one-out error of kernel ridge regression, for each penalty.
+
+    With ``K = X X^T = U diag(e) U^T`` and ``A = (K + lambda I)^{-1}``, the hat matrix is
+    ``H = K A = I - lambda A``, so the fit without row ``i`` leaves it the residual
+    ``(T - H T)_i / (1 - H_ii) = (A T)_i / A_ii`` (finite at ``lambda = 0`` too, where the full
+    fit interpolates). Returns, per penalty,
+    ``sum_c w_c sum_i ((A T)_ic / A_ii)^2 / N``.
+
+    Args:
+        values: eigenvalues ``e`` (``N``) of ``K``, positive (a jitter included).
+        vectors: its eigenvectors ``U`` (``N x N``), orthonormal columns.
+        targets: ``T`` (``N x k``).
+        penalties: absolute penalties ``lambda >= 0``.
+        column_weights: ``w_c`` (``k``), the weight of each target column; default 1.
+    """
+    e, u, t = values.double(), vectors.double(), targets.double()
+    weights = _column_weights(column_weights, t)
+    rotated = u.T @ t
+    squared = u**2
+    scores = []
+    for penalty in penalties:
+        inverse = 1.0 / (e + penalty)
+        residuals = (u @ (inverse[:, None] * rotated)) / (squared @ inverse)[:, None]
+        scores.append(float((residuals**2 @ weights).sum()) / max(len(t), 1))
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+def gcv_scores(
+    values: torch.Tensor,
+    coordinates: torch.Tensor,
+    target_norms: torch.Tensor,
+    rows: int,
+    penalties: Sequence[float],
+    column_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Generalised cross-validation of ridge regression, for each penalty, from ``X^T X``'s
+    eigendecomposition ``V diag(e) V^T``.
+
+    With ``B = X^T T`` and the targets' coordinates ``u = diag(e)^{-1/2} V^T B`` (those of their
+    projection onto ``col(X)``), the fit ``W = V diag(1 / (e + lambda)) V^T B`` leaves
+
+    .. math::
+        RSS(\lambda) = \|T\|^2 - 2 \operatorname{tr}(W^T B) + \operatorname{tr}(W^T G W)
+        = \big(\|T\|^2 - \|u\|^2\big) + \sum_i \|u_i\|^2 \Big(\frac{\lambda}{e_i + \lambda}\Big)^2,
+
+    the unreachable part plus the shrinkage of the reachable one; ``tr H = sum_i e_i/(e_i +
+    lambda)`` and ``GCV = n RSS / (n - tr H)^2`` (``inf`` where ``tr H >= n``). Column sums are
+    weighted by ``w_c``; the result is per row, like :func:`loo_scores`.
+
+    Args:
+        values: the eigenvalues ``e`` (``r``) kept, positive.
+        coordinates: ``u`` (``r x k``).
+        target_norms: ``||t_c||^2`` (``k``) of the *unprojected* targets: with projected ones
+            ``RSS(0) = 0`` and GCV always picks 0.
+        rows: ``n``, the design's rows.
+        penalties: absolute penalties ``lambda >= 0``.
+        column_weights: ``w_c`` (``k``); default 1.
+    """
+    e, u = values.double(), coordinates.double()
+    weights = _column_weights(column_weights, u)
+    energy = u**2 @ weights  # weighted ||u_i||^2 of each direction
+    total = float(target_norms.double().to(weights.device) @ weights)
+    unreachable = max(total - float(energy.sum()), 0.0)
+    scores = []
+    for penalty in penalties:
+        rss = unreachable + float((penalty / (e + penalty)) ** 2 @ energy)
+        freedom = float((e / (e + penalty)).sum())
+        spare = rows - freedom
+        scores.append(rows * rss / spare**2 if spare > 1e-9 * rows else math.inf)
+    return torch.tensor(scores, dtype=torch.float64)
+
+
+@dataclass
+class GramSpectrum:
+    r"""``G = X^T X = V diag(e) V^T`` (directions above the cut-off): one factorisation that
+    gives the grouping coordinates (``Q = X V diag(e)^{-1/2}``), the GCV over a ridge grid and the
+    fit ``W = V diag(sqrt(e) / (e + lambda)) t`` of targets given in coordinates ``t``."""
+
+    values: torch.Tensor  # (r,) eigenvalues kept
+    vectors: torch.Tensor  # (p, r)
+    scale: float  # trace(G) / p: the unit of a relative ridge
+    rows: int  # n, the design's rows
+
+    uses_kernel = False
+
+    @property
+    def rank(self) -> int:
+        return len(self.values)
+
+    def coordinates(self, xtz: torch.Tensor | None = None, z: torch.Tensor | None = None):
+        """Coordinates ``(r, d)`` of output columns from ``X^T Z``."""
+        assert xtz is not None, "the gram route needs X^T Z"
+        return (self.vectors.T @ xtz.double()) / self.values.sqrt()[:, None]
+
+    def weights(self, targets: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
+        """Weights ``(p, k)`` of the ridge fit (``ridge`` relative) to targets in coordinates."""
+        e = self.values
+        return self.vectors @ ((e.sqrt() / (e + ridge * self.scale))[:, None] * targets.double())
+
+    def select_ridge(
+        self,
+        targets: torch.Tensor,
+        *,
+        target_norms: torch.Tensor | None = None,
+        column_weights: torch.Tensor | None = None,
+        grid: Sequence[float] = RIDGE_GRID,
+    ) -> RidgeChoice:
+        """The grid's ridge of least GCV for targets in coordinates ``(r, k)``, whose
+        unprojected squared norms are ``target_norms`` (``k``)."""
+        if target_norms is None:
+            raise ValueError("GCV needs target_norms, the squared norms of the unprojected targets")
+        penalties = [r * self.scale for r in grid]
+        scores = gcv_scores(
+            self.values, targets, target_norms, self.rows, penalties, column_weights
+        )
+        return _choose("gcv", grid, scores, self.scale)
+
+
+@dataclass
+class KernelSpectrum:
+    r"""``K = X X^T = U diag(e) U^T`` for designs with fewer rows than columns: the outputs are
+    their own coordinates, the exact leave-one-out error is scanned over a ridge grid and the fit
+    is ``W = X^T U diag(1 / (e + lambda)) U^T T``."""
+
+    values: torch.Tensor  # (N,) eigenvalues, clamped at 0, plus the jitter
+    vectors: torch.Tensor  # (N, N)
+    design: torch.Tensor  # X (N, p), float64
+    scale: float  # trace(K) / p: the unit of a relative ridge
+    rank: int  # eigenvalues above the jitter
+
+    uses_kernel = True
+
+    def coordinates(self, xtz: torch.Tensor | None = None, z: torch.Tensor | None = None):
+        """The outputs ``Z`` themselves (the identity is the basis)."""
+        assert z is not None, "the kernel route needs the outputs Z"
+        return z.double()
+
+    def weights(self, targets: torch.Tensor, ridge: float = 0.0) -> torch.Tensor:
+        """Weights ``(p, k)`` of the kernel ridge fit (``ridge`` relative) to targets ``(N, k)``."""
+        u = self.vectors
+        inverse = 1.0 / (self.values + ridge * self.scale)
+        return self.design.T @ (u @ (inverse[:, None] * (u.T @ targets.double())))
+
+    def select_ridge(
+        self,
+        targets: torch.Tensor,
+        *,
+        target_norms: torch.Tensor | None = None,
+        column_weights: torch.Tensor | None = None,
+        grid: Sequence[float] = RIDGE_GRID,
+    ) -> RidgeChoice:
+        """The grid's ridge of least leave-one-out error for targets ``(N, k)``
+        (``target_norms`` is not needed: the targets are not projected)."""
+        del target_norms
+        penalties = [r * self.scale for r in grid]
+        scores = loo_scores(self.values, self.vectors, targets, penalties, column_weights)
+        return _choose("loo", grid, scores, self.scale)
+
+
+def gram_spectrum(gram: torch.Tensor, *, rows: int, rcond: float = 1e-10) -> GramSpectrum:
+    """:class:`GramSpectrum` of ``G = X^T X`` (``p x p``) from ``rows`` design rows, in float64.
+
+    Columns of ``X`` that are 0 on every row (a zero diagonal entry: dead input channels) get
+    weight 0 under any ridge, so only the others are decomposed (the cost grows as their count
+    cubed). Eigenvalues up to ``rcond`` times the mean eigenvalue (or the rounding of the
+    largest) are dropped: their directions are not in the basis, as for a minimum-norm fit.
+    """
+    g = gram.double()
+    if not torch.isfinite(g).all():
+        raise ValueError("the level's Gram matrix has NaN/Inf entries (NaN inputs?)")
+    p = g.shape[0]
+    live = (g.diagonal() > 0).nonzero().squeeze(1)
+    values, live_vectors = symmetric_eigh(g[live][:, live])
+    scale = float(g.trace()) / p
+    top = float(values.max()) if len(values) else 0.0
+    keep = values > max(rcond * scale, top * len(live) * torch.finfo(g.dtype).eps, 0.0)
+    vectors = g.new_zeros(p, int(keep.sum()))
+    vectors[live] = live_vectors[:, keep]
+    return GramSpectrum(values[keep], vectors, scale, rows)
+
+
+def kernel_spectrum(design: torch.Tensor, *, rcond: float = 1e-10) -> KernelSpectrum:
+    """:class:`KernelSpectrum` of a design ``X`` (``N x p``, ``N < p``), in float64.
+
+    As :func:`kernel_basis`, a jitter of ``rcond`` times the mean diagonal of ``K`` keeps a
+    rank-deficient kernel invertible.
+    """
+    x = design.double()
+    if not torch.isfinite(x).all():
+        raise ValueError("the level's design has NaN/Inf entries (NaN inputs?)")
+    kernel = x @ x.T
+    values, vectors = symmetric_eigh(kernel)
+    mean = float(kernel.diagonal().mean()) if len(kernel) else 0.0
+    jitter = max(rcond * mean, torch.finfo(x.dtype).tiny)
+    rank = int((values > jitter).sum())
+    return KernelSpectrum(
+        values.clamp_min(0) + jitter, vectors, x, mean * len(x) / x.shape[1], rank
+    )
+
+
+def symmetric_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of a symmetric PSD matrix, robust to LAPACK's rare failures.
+
+    Divide and conquer can fail to converge on Gram matrices with many repeated eigenvalues
+    (linearly dependent columns); it is then retried on the matrix scaled to unit mean diagonal
+    plus a jitter (1e-12, raised tenfold) that is subtracted from the eigenvalues again.
+    """
+    try:
+        return torch.linalg.eigh(matrix)
+    except torch.linalg.LinAlgError:
+        pass
+    scale = float(matrix.diagonal().mean()) if len(matrix) else 1.0
+    scale = scale if scale > 0 else 1.0
+    eye = torch.eye(len(matrix), dtype=matrix.dtype, device=matrix.device)
+    jitter = 1e-12
+    for _ in range(8):
+        try:
+            values, vectors = torch.linalg.eigh(matrix / scale + jitter * eye)
+            return (values - jitter) * scale, vectors
+        except torch.linalg.LinAlgError:
+            jitter *= 10
+    raise ValueError("the eigendecomposition of the level's Gram or kernel matrix failed")
+
+
+def _column_weights(weights: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    """Column weights as float64 on the targets' device (ones when None), checked."""
+    k = targets.shape[1]
+    if weights is None:
+        return torch.ones(k, dtype=torch.float64, device=targets.device)
+    w = weights.double().reshape(-1).to(targets.device)
+    if len(w) != k:
+        raise ValueError(f"column_weights has {len(w)} entries for {k} target columns")
+    return w
+
+
+def _choose(
+    criterion: str, grid: Sequence[float], scores: torch.Tensor, scale: float
+) -> RidgeChoice:
+    """The grid value of least score (ties: the smaller ridge; all undefined: the largest)."""
+    if len(grid) == 0:
+        raise ValueError("the ridge grid is empty")
+    values = [s if math.isfinite(s) else math.inf for s in scores.tolist()]
+    best = min(range(len(grid)), key=lambda i: (values[i], grid[i]))
+    if values[best] == math.inf:
+        best = max(range(len(grid)), key=lambda i: grid[i])
+    ridge = float(grid[best])
+    return RidgeChoice(ridge, ridge * scale, criterion, tuple(grid), tuple(scores.tolist()))
+
+
+@dataclass
+class RidgeFit:
+    """A ridge fit from normal equations: the weights at the chosen ridge (relative), the grid
+    and its GCV scores (``inf`` where the fit interpolates)."""
+
+    weights: torch.Tensor
+    ridge: float
+    grid: tuple[float, ...]
+    criterion: list[float]
+
+
+def ridge_fit(
+    gram: torch.Tensor,
+    cross: torch.Tensor,
+    target_norms: torch.Tensor,
+    rows: int,
+    *,
+    grid: Sequence[float] = RIDGE_GRID,
+    column_weights: torch.Tensor | None = None,
+) -> RidgeFit:
+    """The ridge fit of targets ``T`` on a design ``X`` known only through ``X^T X``, ``X^T T``,
+    the targets' squared column norms and the row count (what a site can send without its
+    data), the ridge chosen by GCV over ``grid`` from one eigendecomposition
+    (:func:`gram_spectrum`); a one-value grid fits that ridge."""
+    spectrum = gram_spectrum(gram, rows=rows)
+    coordinates = spectrum.coordinates(xtz=cross)
+    choice = spectrum.select_ridge(
+        coordinates, target_norms=target_norms, column_weights=column_weights, grid=grid
+    )
+    weights = spectrum.weights(coordinates, choice.ridge)
+    return RidgeFit(weights, choice.ridge, tuple(grid), list(choice.scores))

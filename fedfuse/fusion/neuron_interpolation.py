@@ -18,6 +18,7 @@ weighted per class by each model's share of that class's training samples (``hea
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -37,15 +38,22 @@ from .costs import cluster_targets, representation_cost
 from .inputs import head_weights as resolve_head_weights
 from .inputs import resolve_scores
 from .kmeans import point_costs, weighted_centers, weighted_kmeans
-from .least_squares import accumulate_normal_equations, gram_basis, kernel_basis
+from .least_squares import (
+    RIDGE_GRID,
+    GramSpectrum,
+    KernelSpectrum,
+    LeastSquaresBasis,
+    accumulate_normal_equations,
+    gram_basis,
+    gram_spectrum,
+    kernel_basis,
+    kernel_spectrum,
+)
 from .matching import linear_assignment, pair_labels
 
 log = logging.getLogger(__name__)
 
 GROUPINGS = ("hungarian", "kmeans")
-#: ridge of the Linear variants on under-determined levels (fan-in > rows); chosen by a sweep
-#: (0.001 .. 1) on fmnist-sharded-2, flat between 0.03 and 0.3.
-AUTO_RIDGE = 0.1
 APPROXIMATIONS = ("linear", "gradient")
 
 
@@ -94,9 +102,14 @@ class NeuronInterpolation(FusionMethod):
         fallback_scores: score method on the fusion set when no scores were given.
         head_weights: weight each model's logit of class c by its share of class c's samples.
         ridge: Linear: ridge penalty relative to the mean eigenvalue of the level's Gram matrix.
-            0 fits exactly; None (auto) uses :data:`AUTO_RIDGE` on levels whose fan-in exceeds
-            the fusion set's rows (where an exact fit would interpolate the fusion set) and 0
-            elsewhere.
+            0 fits exactly, a number is used on every level; None (auto) chooses it per level
+            from the fusion set over :data:`~fedfuse.fusion.least_squares.RIDGE_GRID`: by exact
+            leave-one-out where the fan-in exceeds the rows (kernel route), by generalised
+            cross-validation elsewhere (gram route), each fused neuron's error weighted by its
+            cluster's importance. The details of each level record ``ridge``,
+            ``ridge_criterion`` (``"loo"``, ``"gcv"`` or ``"fixed"``) and, when chosen,
+            ``ridge_scores`` (the criterion along the grid, details' ``ridge_grid``; None where
+            undefined).
         rcond: Linear: relative eigenvalue cut-off of the design's basis.
         n_init, max_iter, tol, local_search_swaps: K-means restarts, Lloyd iterations, relative
             tolerance, and accepted swaps of the Kanungo local search (0: off).
@@ -317,6 +330,8 @@ class NeuronInterpolation(FusionMethod):
             "variant": f"{self.grouping}-{self.approximation}",
             "levels": [],
         }
+        if self.approximation == "linear" and self.ridge is None:
+            details["ridge_grid"] = list(RIDGE_GRID)
         if self.approximation == "gradient":
             details["gradient"] = asdict(self.gradient_settings())
         x = data.to(device)
@@ -382,9 +397,8 @@ class NeuronInterpolation(FusionMethod):
         chunk = self._row_chunk(sum(widths), len(x))
         positions = output_rows(outputs[0][:1]).shape[0]
         rows = len(x) * positions
-        ridge = self.ridge
-        if ridge is None:
-            ridge = AUTO_RIDGE if rows < view.fan_in else 0.0
+        auto = self.ridge is None  # one eigendecomposition serves grouping, choice and fit
+        basis: LeastSquaresBasis | GramSpectrum | KernelSpectrum
         if rows >= view.fan_in:
             base_chunks = (
                 torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1)
@@ -393,13 +407,21 @@ class NeuronInterpolation(FusionMethod):
             gram, xtz, norms = accumulate_normal_equations(
                 view.design_batches(x, chunk), base_chunks, dtype=self.gram_dtype
             )
-            basis = gram_basis(gram, rcond=self.rcond, ridge=ridge)
+            if auto:
+                basis = gram_spectrum(gram, rows=rows, rcond=self.rcond)
+            else:
+                basis = gram_basis(gram, rcond=self.rcond, ridge=self.ridge)
             # base neurons as rows, in the basis of the design's column space (float64: the
             # map back to weights amplifies rounding of these coordinates)
             points = basis.coordinates(xtz=xtz).T
             del xtz
         else:
-            basis = kernel_basis(view.design(x), rcond=self.rcond, ridge=ridge)
+            design = view.design(x)
+            if auto:
+                basis = kernel_spectrum(design, rcond=self.rcond)
+            else:
+                basis = kernel_basis(design, rcond=self.rcond, ridge=self.ridge)
+            del design
             # the identity is the basis: the coordinates are the base outputs themselves
             points = torch.cat([output_rows(o).T for o in outputs])
             norms = None
@@ -407,8 +429,27 @@ class NeuronInterpolation(FusionMethod):
         w64 = weights.double()
         if labels is None:
             labels = self._group(points, w64, widths, k)
-        centers, _ = weighted_centers(points, w64, labels, k, dtype=torch.float64)
-        view.set_weights(basis.weights(centers.T).float())
+        centers, mass = weighted_centers(points, w64, labels, k, dtype=torch.float64)
+        if isinstance(basis, LeastSquaresBasis):
+            fitted = basis.weights(centers.T)
+            choice: dict[str, Any] = {"ridge": self.ridge, "ridge_criterion": "fixed"}
+        else:
+            # each fused neuron's error counts with its cluster's importance, as in Theorem 1;
+            # GCV needs the unprojected targets' norms (with the projected ones it picks 0)
+            target_norms = (
+                None if basis.uses_kernel else self._target_norms(outputs, w64, labels, k, chunk)
+            )
+            selected = basis.select_ridge(centers.T, target_norms=target_norms, column_weights=mass)
+            fitted = basis.weights(centers.T, selected.ridge)
+            choice = {
+                "ridge": selected.ridge,
+                "ridge_criterion": selected.criterion,
+                # 6 digits; None where undefined (GCV with as many parameters as rows)
+                "ridge_scores": [
+                    float(f"{v:.6g}") if math.isfinite(v) else None for v in selected.scores
+                ],
+            }
+        view.set_weights(fitted.float())
         grouping = float(point_costs(points, w64, labels, centers, dtype=torch.float64).sum())
         residual = 0.0  # the kernel route reaches every output exactly
         if norms is not None:
@@ -421,11 +462,28 @@ class NeuronInterpolation(FusionMethod):
             "projected_grouping_error": grouping / rows,
             "unreachable_error": residual / rows,
             "rank": basis.rank,
-            "ridge": ridge,
+            **choice,
             "fan_in": view.fan_in,
             "rows": rows,
             "route": "kernel" if basis.uses_kernel else "gram",
         }
+
+    @torch.no_grad()
+    def _target_norms(
+        self,
+        outputs: list[torch.Tensor],
+        weights: torch.Tensor,
+        labels: torch.Tensor,
+        k: int,
+        chunk: int,
+    ) -> torch.Tensor:
+        """``||t_c||^2`` of each cluster's target over the fusion set's rows (unprojected),
+        summed chunk by chunk in float64 (rows x base neurons per chunk)."""
+        norms = torch.zeros(k, dtype=torch.float64, device=weights.device)
+        for s in range(0, len(outputs[0]), chunk):
+            z = torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1).double()
+            norms += (cluster_targets(z, labels, weights, k) ** 2).sum(0)
+        return norms
 
     def _fit_gradient(
         self,

@@ -44,8 +44,8 @@ from .affine import affine_view
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .inputs import check_levels, resolve_scores
 from .kmeans import weighted_centers, weighted_kmeans
+from .least_squares import RIDGE_GRID, ridge_fit
 from .matching import linear_assignment, pair_labels
-from .ridge import RIDGE_GRID, ridge_fit
 from .site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class SiteInterpolation(FusionMethod):
         use_scores: weight neurons by the sites' importance scores (else uniformly).
         score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
         ridge: relative ridge of every level's fit; None chooses it per level by GCV over
-            :data:`~fedfuse.fusion.ridge.RIDGE_GRID` from the sites' statistics.
+            :data:`~fedfuse.fusion.least_squares.RIDGE_GRID` from the sites' statistics.
         max_samples: samples of each site used for its statistics (None: all).
         statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
         gram_rank: compress each site's Gram of levels wider than this to its top eigenpairs

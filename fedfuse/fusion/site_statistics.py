@@ -39,7 +39,7 @@ import torch
 from ..models import LeveledModel
 from ..runtime import resolve_device
 from .affine import affine_view, output_rows
-from .ridge import ridge_fit, symmetric_eigh
+from .least_squares import ridge_fit, symmetric_eigh
 
 #: wire precision of the statistics (sums are accumulated in float64 either way)
 STATISTICS_DTYPES = {"float64": torch.float64, "float32": torch.float32}
