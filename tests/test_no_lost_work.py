@@ -81,6 +81,7 @@ def test_every_method_states_what_it_can_fuse_before_training():
     assert {n for n, c in FUSION_METHODS.items() if c.max_models == 2} == {
         "hf-linear",
         "hf-gradient",
+        "hf-sites",
         "git-rebasin",
     }
 

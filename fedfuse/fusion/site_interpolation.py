@@ -120,10 +120,6 @@ class SiteInterpolation(FusionMethod):
         self.seed = seed
         self.progress = progress
 
-    @property
-    def max_models(self) -> int | None:  # type: ignore[override]
-        return 2 if self.grouping == "hungarian" else None
-
     def needs(self) -> frozenset[str]:
         return self.requirements() | ({"scores"} if self.use_scores else set())
 
@@ -333,6 +329,7 @@ class HFSites(SiteInterpolation):
     """Hungarian Fusion fitted on the sites' statistics: two models, one-to-one grouping."""
 
     name = "hf-sites"
+    max_models = 2
 
     def __init__(
         self,
