@@ -147,12 +147,7 @@ class SiteInterpolation(FusionMethod):
     ) -> tuple[LeveledModel, dict[str, Any]]:
         levels = self._check_structure(models, target)
         sites = inputs.sites
-        assert sites is not None
-        if len(sites) != len(models):
-            raise ValueError(
-                f"{self.name}: FusionInputs.sites reaches {len(sites)} sites for {len(models)} "
-                "models"
-            )
+        assert sites is not None  # one per model: checked by check_inputs
         scores = resolve_scores(
             self.name,
             models,
@@ -195,11 +190,11 @@ class SiteInterpolation(FusionMethod):
             if len(active) < (2 if self.grouping == "hungarian" else 1):
                 raise ValueError(
                     f"{self.name}: statistics of level {fused.level_name(index)} came from "
-                    f"sites {active} only: " + "; ".join(sites.problems[-len(dropped) :])
+                    f"sites {active} only: " + "; ".join(sites.problems)
                 )
             is_head = index == levels[-1]
             weights, info = self._fit_level(
-                fused, index, statistics, scores, is_head, fused.level_width(index)
+                index, statistics, scores, is_head, fused.level_width(index)
             )
             view.set_weights(weights.float())
             info.update(
@@ -221,7 +216,6 @@ class SiteInterpolation(FusionMethod):
 
     def _fit_level(
         self,
-        fused: LeveledModel,
         index: int,
         statistics: dict[int, SiteStatistics],
         scores: list[dict[int, torch.Tensor]],
