@@ -10,12 +10,24 @@ import torch
 from .ensemble import Ensemble
 from .leveled import LeveledModel
 from .mlp import build_mlp, mlp_spec
+from .resnet import build_resnet, resnet_spec
 from .spec import ModelSpec
 from .vgg import build_vgg11, vgg11_spec
+from .vit import build_vit, vit_spec
 
 ARCHITECTURES: dict[str, Callable[[ModelSpec], LeveledModel]] = {
     "mlp": build_mlp,
     "vgg11": build_vgg11,
+    "resnet": build_resnet,
+    "vit": build_vit,
+}
+
+#: each architecture's spec builder from user-facing options
+SPEC_BUILDERS: dict[str, Callable[..., ModelSpec]] = {
+    "mlp": mlp_spec,
+    "vgg11": vgg11_spec,
+    "resnet": resnet_spec,
+    "vit": vit_spec,
 }
 
 
@@ -51,12 +63,17 @@ def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def make_spec(
     arch: str, input_shape: tuple[int, ...], num_classes: int, **options: object
 ) -> ModelSpec:
-    """Spec from user-facing options: ``mlp`` takes ``widths``, ``vgg11`` ``width_multiplier``."""
-    if arch == "mlp":
-        return mlp_spec(input_shape, num_classes, **options)  # type: ignore[arg-type]
-    if arch == "vgg11":
-        return vgg11_spec(input_shape, num_classes, **options)  # type: ignore[arg-type]
-    raise ValueError(f"unknown architecture {arch!r}; known: {sorted(ARCHITECTURES)}")
+    """Spec from user-facing options: ``mlp`` takes ``widths``; ``vgg11`` ``width_multiplier``;
+    ``resnet`` ``depth``, ``width_multiplier``, ``stem``, ``blocks``; ``vit`` ``patch``,
+    ``depth``, ``heads``, ``hidden``, ``mlp``."""
+    try:
+        builder = SPEC_BUILDERS[arch]
+    except KeyError:
+        raise ValueError(f"unknown architecture {arch!r}; known: {sorted(ARCHITECTURES)}") from None
+    try:
+        return builder(input_shape, num_classes, **options)
+    except TypeError as error:
+        raise ValueError(f"{arch}: {error}") from None
 
 
 __all__ = [
@@ -66,9 +83,13 @@ __all__ = [
     "ModelSpec",
     "build_model",
     "build_mlp",
+    "build_resnet",
+    "build_vit",
     "build_vgg11",
     "make_spec",
     "mlp_spec",
     "parameter_shapes",
+    "resnet_spec",
     "vgg11_spec",
+    "vit_spec",
 ]

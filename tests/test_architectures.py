@@ -1,0 +1,168 @@
+"""ResNet and ViT as levels: composition, widths, depths, and their neuron symmetries."""
+
+import pytest
+import torch
+
+from fedfuse.capture import capture_levels
+from fedfuse.fusion.affine import output_rows
+from fedfuse.models import ModelSpec, build_model, make_spec, parameter_shapes
+from fedfuse.models.resnet import BasicBlock, stage_of_levels
+from fedfuse.models.symmetry import (
+    feature_spaces,
+    map_state,
+    permute_model,
+    random_permutations,
+)
+
+SPECS = {
+    "resnet10-28x28x1": make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 8),
+    "resnet18-32x32x3": make_spec("resnet", (3, 32, 32), 10, depth=18, width_multiplier=1 / 16),
+    "resnet34-64x64x3-imagenet-stem": make_spec(
+        "resnet", (3, 64, 64), 5, depth=34, width_multiplier=1 / 32, stem="imagenet"
+    ),
+    "vit-28x28x1": make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48),
+    "vit-32x32x3": make_spec("vit", (3, 32, 32), 10, patch=8, depth=3, heads=2, hidden=16, mlp=24),
+    "vgg11": make_spec("vgg11", (1, 28, 28), 10, width_multiplier=1 / 16),
+    "mlp": make_spec("mlp", (1, 28, 28), 10, widths=(32, 16)),
+}
+
+
+def _trained_statistics(model, spec, generator):
+    """Give BatchNorm layers non-trivial running statistics (a few forward passes in train)."""
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, *spec.input_shape, generator=generator) * 2 + 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n.startswith(("resnet", "vit"))])
+def test_levels_compose_to_the_forward_pass(name, generator):
+    spec = SPECS[name]
+    model = _trained_statistics(build_model(spec, seed=0), spec, generator)
+    x = torch.randn(4, *spec.input_shape, generator=generator)
+    composed = x
+    for level in model.levels:
+        composed = level(composed)
+    assert torch.equal(composed, model(x))
+    assert model(x).shape == (4, spec.num_classes)
+    middle = model.num_levels // 2
+    assert torch.allclose(
+        model.forward_levels(model.forward_levels(x, 0, middle), middle), model(x)
+    )
+    # every level owns neurons, and their count is the spec's width (classes for the head)
+    assert model.neuron_levels == list(range(model.num_levels))
+    captured = capture_levels(model, x, device="cpu")
+    for index in model.neuron_levels:
+        assert captured[index].outputs.shape[1] == model.level_width(index)
+
+
+def test_resnet_depths_and_stems():
+    for depth, blocks in ((10, 4), (18, 8), (34, 16)):
+        spec = make_spec("resnet", (3, 32, 32), 10, depth=depth)
+        model = build_model(spec, device="meta")
+        assert model.num_levels == blocks + 2  # stem, blocks, head
+        assert spec.widths[:2] == (64, 64) and spec.widths[-1] == 512
+    spec = make_spec("resnet", (1, 28, 28), 10, depth=18, width_multiplier=0.25)
+    assert spec.options["stem"] == "cifar" and spec.widths[0] == 16
+    assert stage_of_levels(spec) == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4]
+    model = build_model(spec)
+    identity = [isinstance(m, BasicBlock) and m.identity_shortcut for m in model.levels]
+    assert identity == [False, True, True, False, True, False, True, False, True, False]
+    with pytest.raises(ValueError, match="depth must be one of"):
+        make_spec("resnet", (3, 32, 32), 10, depth=20)
+    with pytest.raises(ValueError, match="stem must be one of"):
+        make_spec("resnet", (3, 32, 32), 10, stem="huge")
+
+
+def test_vit_paper_defaults_and_errors():
+    spec = make_spec("vit", (3, 32, 32), 100)  # the paper's CIFAR ViT
+    assert spec.options == {"patch": 8, "heads": 12, "mlp": 384}
+    assert spec.widths == (384,) * 8  # embedding + 7 blocks
+    shapes = parameter_shapes(spec)
+    assert shapes["levels.0.position"] == (384, 17)  # 16 patches + the class token
+    assert shapes["levels.8.linear.weight"] == (100, 384)
+    with pytest.raises(ValueError, match="does not divide"):
+        build_model(make_spec("vit", (1, 28, 28), 10, patch=8, hidden=24, heads=2))
+    with pytest.raises(ValueError, match="heads do not divide"):
+        build_model(make_spec("vit", (1, 28, 28), 10, patch=7, hidden=30, heads=4))
+    with pytest.raises(ValueError, match="all equal"):
+        build_model(ModelSpec("vit", (1, 28, 28), 10, (32, 16), spec.options))
+
+
+def test_vit_levels_keep_tokens_channels_first_so_rows_pool_over_tokens(generator):
+    spec = SPECS["vit-28x28x1"]
+    model = build_model(spec, seed=0).eval()
+    x = torch.randn(3, *spec.input_shape, generator=generator)
+    out = capture_levels(model, x, [1], device="cpu")[1].outputs
+    assert out.shape == (3, 32, 17)  # (samples, hidden, 1 + 16 patches)
+    rows = output_rows(out)
+    assert rows.shape == (3 * 17, 32)  # one row per token: the neurons pooled over tokens
+    assert torch.equal(rows[1], out[0, :, 1])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_permuting_every_feature_space_keeps_the_function(name, generator):
+    spec = SPECS[name]
+    model = _trained_statistics(build_model(spec, seed=0), spec, generator)
+    permutations = random_permutations(model, generator)
+    permuted = permute_model(model, permutations)
+    x = torch.randn(6, *spec.input_shape, generator=generator)
+    assert torch.allclose(permuted(x), model(x), atol=1e-5)
+    moved = [
+        k for k, v in permuted.state_dict().items() if not torch.equal(v, model.state_dict()[k])
+    ]
+    assert moved, "the permutation changed no tensor"
+    # BatchNorm running statistics travel with their channels
+    for space in feature_spaces(model):
+        for axis in space.axes:
+            if axis.key.endswith("running_var"):
+                order = permutations[space.name]
+                assert torch.equal(
+                    permuted.state_dict()[axis.key], model.state_dict()[axis.key][order]
+                )
+
+
+def test_feature_spaces_cover_residual_streams_and_attention_heads():
+    resnet = build_model(SPECS["resnet18-32x32x3"], device="meta")
+    names = [s.name for s in feature_spaces(resnet)]
+    # stem + stage 0 share one stream; each later stage starts its own at its projection block
+    assert [n for n in names if n.startswith("stream")] == [
+        "stream0",
+        "stream3",
+        "stream5",
+        "stream7",
+    ]
+    assert sum(n.endswith(".inner") for n in names) == 8
+    vit = build_model(SPECS["vit-32x32x3"], device="meta")
+    spaces = {s.name: s for s in feature_spaces(vit)}
+    assert spaces["stream"].size == 16 and spaces["block1.qk"].groups == 2
+    head_keys = {a.key for a in spaces["stream"].axes}
+    assert {"levels.0.class_token", "levels.0.position", "levels.4.linear.weight"} <= head_keys
+
+
+def test_a_permutation_outside_the_attention_heads_breaks_the_function(generator):
+    """The head groups are real constraints: mixing dims across heads changes the output."""
+    spec = SPECS["vit-28x28x1"]
+    model = build_model(spec, seed=0).eval()
+    space = next(s for s in feature_spaces(model) if s.name == "block1.qk")
+    swap = torch.arange(space.size)
+    swap[[0, space.size - 1]] = swap[[space.size - 1, 0]]  # dim 0 of head 0 <-> last of head 3
+    state = map_state(model.state_dict(), space, torch.eye(space.size, dtype=torch.float64)[swap])
+    broken = build_model(spec)
+    broken.load_state_dict(state)
+    x = torch.randn(4, *spec.input_shape, generator=generator)
+    assert not torch.allclose(broken.eval()(x), model(x), atol=1e-4)
+
+
+def test_map_state_changes_widths_and_names_a_bad_map():
+    spec = SPECS["mlp"]
+    model = build_model(spec, seed=0)
+    space = feature_spaces(model)[0]
+    merge = torch.zeros(24, 32, dtype=torch.float64)
+    merge[torch.arange(24), torch.arange(24)] = 1
+    state = map_state(model.state_dict(), space, merge)
+    narrow = build_model(spec.with_widths((24, 16)))
+    narrow.load_state_dict(state)  # shapes fit the narrower spec
+    with pytest.raises(ValueError, match="space level0 has 32 features"):
+        map_state(model.state_dict(), space, torch.eye(31))
