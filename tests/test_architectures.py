@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedfuse.capture import capture_levels
-from fedfuse.fusion.affine import output_rows
+from fedfuse.fusion.affine import affine_view, output_rows
 from fedfuse.models import ModelSpec, build_model, make_spec, parameter_shapes
 from fedfuse.models.resnet import BasicBlock, stage_of_levels
 from fedfuse.models.symmetry import (
@@ -52,6 +52,7 @@ def test_levels_compose_to_the_forward_pass(name, generator):
     )
     # every level owns neurons, and their count is the spec's width (classes for the head)
     assert model.neuron_levels == list(range(model.num_levels))
+    assert affine_view(model.levels[-1]) is not None  # the head takes closed-form fits
     captured = capture_levels(model, x, device="cpu")
     for index in model.neuron_levels:
         assert captured[index].outputs.shape[1] == model.level_width(index)
@@ -81,7 +82,7 @@ def test_vit_paper_defaults_and_errors():
     assert spec.widths == (384,) * 8  # embedding + 7 blocks
     shapes = parameter_shapes(spec)
     assert shapes["levels.0.position"] == (384, 17)  # 16 patches + the class token
-    assert shapes["levels.8.linear.weight"] == (100, 384)
+    assert shapes["levels.8.2.weight"] == (100, 384)
     with pytest.raises(ValueError, match="does not divide"):
         build_model(make_spec("vit", (1, 28, 28), 10, patch=8, hidden=24, heads=2))
     with pytest.raises(ValueError, match="heads do not divide"):
@@ -138,7 +139,7 @@ def test_feature_spaces_cover_residual_streams_and_attention_heads():
     spaces = {s.name: s for s in feature_spaces(vit)}
     assert spaces["stream"].size == 16 and spaces["block1.qk"].groups == 2
     head_keys = {a.key for a in spaces["stream"].axes}
-    assert {"levels.0.class_token", "levels.0.position", "levels.4.linear.weight"} <= head_keys
+    assert {"levels.0.class_token", "levels.0.position", "levels.4.2.weight"} <= head_keys
 
 
 def test_a_permutation_outside_the_attention_heads_breaks_the_function(generator):

@@ -64,7 +64,11 @@ def test_spec_round_trip_and_rejections():
     with pytest.raises(ValueError, match="lacks"):
         ModelSpec.from_dict({"arch": "mlp"})
     with pytest.raises(ValueError, match="unknown architecture"):
+        build_model(ModelSpec("densenet", (3, 32, 32), 10, (4,)))
+    with pytest.raises(ValueError, match="resnet spec options"):
         build_model(ModelSpec("resnet", (3, 32, 32), 10, (4,)))
+    with pytest.raises(ValueError, match="vit spec options"):
+        build_model(ModelSpec("vit", (3, 32, 32), 10, (4, 4), {"patch": "x"}))
     with pytest.raises(ValueError, match="hidden widths"):
         spec.with_widths([4, 4])
 

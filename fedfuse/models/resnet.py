@@ -2,8 +2,9 @@
 
 Levels: the stem (conv, BatchNorm, ReLU), one level per residual block (kept whole: both convs,
 both BatchNorms, the shortcut and the ReLU after the sum), and the head (global average pool,
-flatten, linear). A block's neurons are its output channels; its inner width (the channels
-between its two convs) equals its output width, so changing a spec's widths changes both.
+flatten, linear: an affine level, so closed-form fits and linear probes reach it). A block's
+neurons are its output channels; its inner width (the channels between its two convs) equals
+its output width, so changing a spec's widths changes both.
 
 A block whose input and output widths and resolution agree has an identity shortcut: its output
 channel ``j`` is ``F(x)_j + x_j``, so its neurons share the order of its input's neurons (the
@@ -75,17 +76,9 @@ class BasicBlock(nn.Module):
         return self.relu2(y + self.shortcut(x))
 
 
-class ResNetHead(nn.Module):
-    """Global average pooling, then the linear classifier (logits)."""
-
-    def __init__(self, width: int, num_classes: int) -> None:
-        super().__init__()
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.flatten = nn.Flatten()
-        self.linear = nn.Linear(width, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.flatten(self.pool(x)))
+def resnet_head(width: int, num_classes: int) -> nn.Sequential:
+    """Global average pooling, flatten, then the linear classifier (logits): an affine level."""
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
 
 
 def resnet_spec(
@@ -129,8 +122,16 @@ def stage_of_levels(spec: ModelSpec) -> list[int]:
 
 def build_resnet(spec: ModelSpec) -> LeveledModel:
     """Levels: ``Stem``, one ``BasicBlock`` per block (stride 2 at the start of every stage
-    after the first), ``ResNetHead``."""
-    blocks = [int(b) for b in spec.options.get("blocks", ())]
+    after the first), the pooling linear head."""
+    try:
+        blocks = [int(b) for b in spec.options["blocks"]]
+        stem = str(spec.options["stem"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"resnet spec options need 'blocks' (ints per stage) and 'stem', got {spec.options}"
+        ) from error
+    if not blocks or min(blocks) < 1 or sum(blocks) > 1024:
+        raise ValueError(f"resnet blocks per stage must be 1 to 1024 in all, got {blocks}")
     if len(spec.input_shape) != 3:
         raise ValueError(f"resnet needs a (C, H, W) input shape, got {spec.input_shape}")
     if len(spec.widths) != 1 + sum(blocks):
@@ -138,7 +139,7 @@ def build_resnet(spec: ModelSpec) -> LeveledModel:
             f"resnet with blocks {blocks} has {1 + sum(blocks)} widths (stem, then one per "
             f"block), spec gives {len(spec.widths)}"
         )
-    levels: list[nn.Module] = [Stem(spec.input_shape[0], spec.widths[0], spec.options["stem"])]
+    levels: list[nn.Module] = [Stem(spec.input_shape[0], spec.widths[0], stem)]
     channels = spec.widths[0]
     widths = iter(spec.widths[1:])
     for stage, count in enumerate(blocks):
@@ -147,5 +148,5 @@ def build_resnet(spec: ModelSpec) -> LeveledModel:
             stride = 2 if stage > 0 and block == 0 else 1
             levels.append(BasicBlock(channels, width, stride))
             channels = width
-    levels.append(ResNetHead(channels, spec.num_classes))
+    levels.append(resnet_head(channels, spec.num_classes))
     return LeveledModel(levels, spec)

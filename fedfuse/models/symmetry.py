@@ -181,7 +181,7 @@ def _affine_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
 
 def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from .resnet import BasicBlock, ResNetHead, Stem
+    from .resnet import BasicBlock, Stem
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []
@@ -221,15 +221,15 @@ def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
             spaces.append(
                 FeatureSpace(f"block{index}.inner", width, inner, ((f"{prefix}.relu1", 1),))
             )
-        elif isinstance(level, ResNetHead):
-            close((Axis(f"{prefix}.linear.weight", 1, produces=False),))
+        elif index == model.num_levels - 1:
+            close((Axis(f"{prefix}.2.weight", 1, produces=False),))
         else:
             raise ValueError(f"unexpected resnet level {model.level_name(index)}")
     return spaces
 
 
 def _vit_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from .vit import EncoderBlock, PatchEmbedding, ViTHead
+    from .vit import EncoderBlock, PatchEmbedding
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []
@@ -278,8 +278,8 @@ def _vit_spaces(model: LeveledModel) -> list[FeatureSpace]:
                     ((f"{prefix}.gelu", -1),),
                 ),
             ]
-        elif isinstance(level, ViTHead):
-            stream += [*_layernorm(f"{prefix}.norm"), *_linear(f"{prefix}.linear", False)]
+        elif index == model.num_levels - 1:
+            stream.append(Axis(f"{prefix}.2.weight", 1, produces=False))
         else:
             raise ValueError(f"unexpected vit level {model.level_name(index)}")
     return [FeatureSpace("stream", hidden, tuple(stream), tuple(probes)), *spaces]

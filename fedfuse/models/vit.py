@@ -1,7 +1,7 @@
 """Vision Transformer (Dosovitskiy et al., 2021), pre-norm, with a class token.
 
 Levels: the patch embedding (patches, class token, position embedding), one level per encoder
-block, and the head (LayerNorm of the class token, linear). Between levels the tokens are kept
+block, and the head (the class token, LayerNorm, linear). Between levels the tokens are kept
 **channels first**, ``(N, hidden, tokens)``, like a 1-D feature map: a level's neurons are then
 its embedding dimensions (dim 1, as for every other architecture), and every token of every
 sample is a row of their captured outputs (the neurons pooled over tokens).
@@ -84,16 +84,19 @@ class EncoderBlock(nn.Module):
         return tokens.transpose(1, 2)
 
 
-class ViTHead(nn.Module):
-    """LayerNorm of the class token, then the linear classifier (logits)."""
-
-    def __init__(self, hidden: int, num_classes: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.linear = nn.Linear(hidden, num_classes)
+class ClassToken(nn.Module):
+    """The class token's features ``(N, hidden)`` from channels-first tokens."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm(x[:, :, 0]))
+        return x[:, :, 0]
+
+
+def vit_head(hidden: int, num_classes: int) -> nn.Sequential:
+    """Class token, LayerNorm, linear classifier. The norm has no affine parameters of its own
+    (a scale and shift before a linear layer fold into it), so the head is an affine level."""
+    return nn.Sequential(
+        ClassToken(), nn.LayerNorm(hidden, elementwise_affine=False), nn.Linear(hidden, num_classes)
+    )
 
 
 def vit_spec(
@@ -117,7 +120,7 @@ def vit_spec(
 
 
 def build_vit(spec: ModelSpec) -> LeveledModel:
-    """Levels: ``PatchEmbedding``, one ``EncoderBlock`` per block, ``ViTHead``."""
+    """Levels: ``PatchEmbedding``, one ``EncoderBlock`` per block, the class-token head."""
     if len(spec.input_shape) != 3:
         raise ValueError(f"vit needs a (C, H, W) input shape, got {spec.input_shape}")
     hidden = spec.widths[0]
@@ -126,8 +129,15 @@ def build_vit(spec: ModelSpec) -> LeveledModel:
             f"vit widths are the residual stream's size, one per level, all equal and at least "
             f"two (embedding and a block); got {spec.widths}"
         )
-    heads, mlp = int(spec.options["heads"]), int(spec.options["mlp"])
-    levels: list[nn.Module] = [PatchEmbedding(spec.input_shape, int(spec.options["patch"]), hidden)]
+    try:
+        patch, heads, mlp = (int(spec.options[key]) for key in ("patch", "heads", "mlp"))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"vit spec options need integer 'patch', 'heads' and 'mlp', got {spec.options}"
+        ) from error
+    if min(patch, heads, mlp) < 1 or mlp > (1 << 20):
+        raise ValueError(f"vit patch, heads and mlp must be positive, got {spec.options}")
+    levels: list[nn.Module] = [PatchEmbedding(spec.input_shape, patch, hidden)]
     levels += [EncoderBlock(hidden, heads, mlp) for _ in spec.widths[1:]]
-    levels.append(ViTHead(hidden, spec.num_classes))
+    levels.append(vit_head(hidden, spec.num_classes))
     return LeveledModel(levels, spec)
