@@ -122,11 +122,18 @@ class FusionMethod(ABC):
                     f"{self.name}: needs {', '.join(_INPUT_NEEDS.get(n, n) for n in lacking)}, "
                     "which this run does not provide"
                 )
-        if spec is not None and self.needs_affine_levels:
+        if spec is not None:
             try:
-                affine_levels(build_model(spec, device="meta"))
+                self.check_architecture(build_model(spec, device="meta"))
             except ValueError as error:
                 raise ValueError(f"{self.name}: cannot fuse {spec.arch} models: {error}") from None
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Raise ValueError unless the method can fuse models built like ``model`` (built on
+        the meta device: structure only). By default, methods with :attr:`needs_affine_levels`
+        need every neuron level affine; methods override this for other structural needs."""
+        if self.needs_affine_levels:
+            affine_levels(model)
 
     def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
         for index, model in enumerate(models):
