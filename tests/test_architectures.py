@@ -5,8 +5,14 @@ import torch
 
 from fedfuse.capture import capture_levels
 from fedfuse.fusion.affine import affine_view, output_rows
-from fedfuse.models import ModelSpec, build_model, make_spec, parameter_shapes
-from fedfuse.models.resnet import BasicBlock, stage_of_levels
+from fedfuse.models import (
+    ModelSpec,
+    build_model,
+    corresponding_levels,
+    make_spec,
+    parameter_shapes,
+)
+from fedfuse.models.resnet import BasicBlock
 from fedfuse.models.symmetry import (
     feature_spaces,
     map_state,
@@ -66,10 +72,11 @@ def test_resnet_depths_and_stems():
         assert spec.widths[:2] == (64, 64) and spec.widths[-1] == 512
     spec = make_spec("resnet", (1, 28, 28), 10, depth=18, width_multiplier=0.25)
     assert spec.options["stem"] == "cifar" and spec.widths[0] == 16
-    assert stage_of_levels(spec) == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4]
     model = build_model(spec)
+    assert model.level_stages() == [-1, 0, 0, 1, 1, 2, 2, 3, 3, 4]
     identity = [isinstance(m, BasicBlock) and m.identity_shortcut for m in model.levels]
     assert identity == [False, True, True, False, True, False, True, False, True, False]
+    assert [model.is_residual(i) for i in range(model.num_levels)] == identity
     with pytest.raises(ValueError, match="depth must be one of"):
         make_spec("resnet", (3, 32, 32), 10, depth=20)
     with pytest.raises(ValueError, match="stem must be one of"):
@@ -167,3 +174,16 @@ def test_map_state_changes_widths_and_names_a_bad_map():
     narrow.load_state_dict(state)  # shapes fit the narrower spec
     with pytest.raises(ValueError, match="space level0 has 32 features"):
         map_state(model.state_dict(), space, torch.eye(31))
+
+
+def test_models_of_different_depths_correspond_stage_by_stage():
+    small = build_model(make_spec("resnet", (3, 32, 32), 10, depth=18), device="meta")
+    large = build_model(make_spec("resnet", (3, 32, 32), 10, depth=34), device="meta")
+    mapping = corresponding_levels(large, small)
+    # stem, then per stage the ResNet-18's 2 blocks take the middle and last ResNet-34 block
+    assert mapping == {0: 0, 1: 2, 2: 3, 3: 5, 4: 7, 5: 10, 6: 13, 7: 15, 8: 16, 9: 17}
+    assert corresponding_levels(small, small) == {i: i for i in range(10)}
+    vit = build_model(SPECS["vit-28x28x1"], device="meta")
+    assert all(vit.is_residual(i) for i in (1, 2)) and not vit.is_residual(0)
+    with pytest.raises(ValueError, match="no level-by-level or stage-by-stage"):
+        corresponding_levels(vit, small)

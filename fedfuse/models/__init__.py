@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .ensemble import Ensemble
-from .leveled import LeveledModel
+from .leveled import LeveledModel, corresponding_levels
 from .mlp import build_mlp, mlp_spec
 from .resnet import build_resnet, resnet_spec
 from .spec import ModelSpec
@@ -85,6 +85,7 @@ __all__ = [
     "build_mlp",
     "build_resnet",
     "build_vit",
+    "corresponding_levels",
     "build_vgg11",
     "make_spec",
     "mlp_spec",

@@ -49,6 +49,19 @@ class LeveledModel(nn.Module):
         """Indices of the levels that own neurons, bottom-up; the last one is the classifier."""
         return [i for i in range(self.num_levels) if self.has_neurons(i)]
 
+    def is_residual(self, index: int) -> bool:
+        """Whether level ``index`` adds its input to its output channel by channel (an identity
+        shortcut): its neurons then share the order of its input's neurons."""
+        return bool(getattr(self.levels[index], "residual", False))
+
+    def level_stages(self) -> list[int]:
+        """A stage per neuron level, non-decreasing; levels of one stage are interchangeable in
+        depth (a ResNet's blocks of one resolution). Default: every level its own stage."""
+        stages = self.spec.options.get("blocks")  # blocks per stage, after a stem
+        if stages is None:
+            return list(range(len(self.neuron_levels)))
+        return [-1, *(s for s, n in enumerate(stages) for _ in range(int(n))), len(stages)]
+
     def level_width(self, index: int) -> int:
         """Number of neurons (output channels) of level ``index``."""
         if not self.has_neurons(index):
@@ -64,3 +77,29 @@ class LeveledModel(nn.Module):
         inner = [m for m in level.modules() if not isinstance(m, nn.Sequential)]
         kinds = [type(m).__name__ for m in inner if type(m).__name__ != "Flatten"]
         return f"{index}:{'+'.join(kinds) or type(level).__name__}"
+
+
+def corresponding_levels(model: LeveledModel, target: LeveledModel) -> dict[int, int]:
+    """For each neuron level of ``target``, the neuron level of ``model`` at the same depth.
+
+    Models of one depth correspond level by level. Models of different depths (a ResNet-34
+    fused into a ResNet-18) correspond stage by stage: the ``j``-th of ``n`` target levels of a
+    stage takes the ``m``-th of ``n'`` model levels with ``m = ceil((j + 1) n' / n) - 1``, so
+    each stage's last level (its output) maps onto the other's last.
+    """
+    ours, theirs = model.neuron_levels, target.neuron_levels
+    if len(ours) == len(theirs) and model.num_levels == target.num_levels:
+        return dict(zip(theirs, ours, strict=True))
+    our_stages, their_stages = model.level_stages(), target.level_stages()
+    if sorted(set(our_stages)) != sorted(set(their_stages)):
+        raise ValueError(
+            f"a {model.spec.arch} model with {len(ours)} neuron levels has no level-by-level or "
+            f"stage-by-stage correspondence with one of {len(theirs)} ({target.spec.arch})"
+        )
+    mapping = {}
+    for stage in sorted(set(their_stages)):
+        mine = [lvl for lvl, s in zip(ours, our_stages, strict=True) if s == stage]
+        wanted = [lvl for lvl, s in zip(theirs, their_stages, strict=True) if s == stage]
+        for j, level in enumerate(wanted):
+            mapping[level] = mine[-(-(j + 1) * len(mine) // len(wanted)) - 1]
+    return mapping

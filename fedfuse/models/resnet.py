@@ -71,6 +71,11 @@ class BasicBlock(nn.Module):
     def identity_shortcut(self) -> bool:
         return isinstance(self.shortcut, nn.Identity)
 
+    @property
+    def residual(self) -> bool:
+        """Whether output channel ``j`` adds input channel ``j`` (see LeveledModel.is_residual)."""
+        return self.identity_shortcut
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
         return self.relu2(y + self.shortcut(x))
@@ -111,13 +116,6 @@ def resnet_spec(
         widths += [stage_widths[stage]] * count
     options = {"blocks": list(blocks), "stem": stem}
     return ModelSpec("resnet", tuple(input_shape), num_classes, tuple(widths), options)
-
-
-def stage_of_levels(spec: ModelSpec) -> list[int]:
-    """Stage of each neuron level: -1 for the stem, then the stage of each block, then the
-    number of stages for the head (compression maps levels of equal stage onto each other)."""
-    blocks = [int(b) for b in spec.options["blocks"]]
-    return [-1, *(s for s, count in enumerate(blocks) for _ in range(count)), len(blocks)]
 
 
 def build_resnet(spec: ModelSpec) -> LeveledModel:

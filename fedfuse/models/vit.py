@@ -77,6 +77,9 @@ class EncoderBlock(nn.Module):
         self.gelu = nn.GELU()
         self.fc2 = nn.Linear(mlp, hidden)
 
+    #: output dim ``j`` adds input dim ``j`` (see LeveledModel.is_residual)
+    residual = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.transpose(1, 2)  # (N, tokens, hidden)
         tokens = tokens + self.attention(self.ln1(tokens))
