@@ -74,10 +74,20 @@ class FusionMethod(ABC):
         *,
         target: ModelSpec | None = None,
     ) -> FusionResult:
-        """Fuse ``models`` into one model of spec ``target`` (default: the first model's)."""
+        """Fuse ``models`` into one model of spec ``target`` (default: the first model's).
+
+        A single model with another ``target`` (narrower, or shallower) is *compression*
+        (paper Sec. 5.5.2), open to retargetable methods.
+        """
         inputs = inputs or FusionInputs()
         models = list(models)  # a lazy sequence (fedfuse.uploads) loads each model once here
-        self._check(models, inputs)
+        compressing = len(models) == 1 and target is not None and target != models[0].spec
+        if compressing and not self.retargetable:
+            raise ValueError(
+                f"{self.name}: fuses into the base models' own architecture, so it cannot "
+                "compress one model into another spec"
+            )
+        self._check(models, inputs, single=compressing)
         target = target or models[0].spec
         if target != models[0].spec and not self.retargetable:
             raise ValueError(
@@ -135,14 +145,18 @@ class FusionMethod(ABC):
         if self.needs_affine_levels:
             affine_levels(model)
 
-    def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
+    def _check(
+        self, models: Sequence[LeveledModel], inputs: FusionInputs, *, single: bool = False
+    ) -> None:
         for index, model in enumerate(models):
             if not isinstance(model, LeveledModel):
                 raise TypeError(
                     f"{self.name}: model {index} is a {type(model).__name__}, expected a "
                     "LeveledModel (see fedfuse.models)"
                 )
-        self.check_run(len(models), models[0].spec if models else None)
+        self.check_run(
+            max(len(models), 2) if single else len(models), models[0].spec if models else None
+        )
         self._check_models(models)
         check_inputs(self.name, models, inputs, required=self.requirements(), needs=self.needs())
 

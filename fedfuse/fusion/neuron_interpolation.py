@@ -29,11 +29,12 @@ from tqdm.auto import tqdm
 
 from ..capture import capture_levels
 from ..importance import SCORE_METHODS
-from ..models import LeveledModel, ModelSpec, build_model
+from ..models import LeveledModel, ModelSpec, build_model, corresponding_levels
 from ..runtime import resolve_device
 from ..training import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
 from .affine import affine_view, output_rows
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .batchnorm import refold_batchnorm_statistics
 from .costs import cluster_targets, representation_cost
 from .inputs import head_weights as resolve_head_weights
 from .inputs import resolve_scores
@@ -237,8 +238,13 @@ class NeuronInterpolation(FusionMethod):
         )
 
     # ------------------------------------------------------------------ checks and scores
-    def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> None:
-        reference = build_model(target)
+    def _check_structure(
+        self, models: list[LeveledModel], target: ModelSpec
+    ) -> list[dict[int, int]]:
+        """Check the models against the target; return, per model, the base level that each
+        fused neuron level fits (level by level, or stage by stage for other depths)."""
+        reference = build_model(target, device="meta")
+        mappings = []
         for index, model in enumerate(models):
             if (model.spec.input_shape, model.spec.num_classes) != (
                 target.input_shape,
@@ -249,13 +255,22 @@ class NeuronInterpolation(FusionMethod):
                     f"{model.spec.num_classes} classes, the target {target.input_shape} to "
                     f"{target.num_classes}"
                 )
-            if model.spec.arch != target.arch or model.num_levels != reference.num_levels:
+            if model.spec.arch != target.arch:
                 raise ValueError(
-                    f"{self.name}: model {index} ({model.spec.arch}, {model.num_levels} levels) "
-                    f"does not match the target ({target.arch}, {reference.num_levels} levels)"
+                    f"{self.name}: model {index} is a {model.spec.arch}, the target a {target.arch}"
                 )
-            if model.neuron_levels != reference.neuron_levels:
+            try:
+                mapping = corresponding_levels(model, reference)
+            except ValueError as error:
+                raise ValueError(f"{self.name}: model {index}: {error}") from None
+            if self.grouping == "hungarian" and model.num_levels != reference.num_levels:
+                raise ValueError(
+                    f"{self.name}: model {index} has {model.num_levels} levels, the target "
+                    f"{reference.num_levels}; Hungarian Fusion pairs equal models (use kf-*)"
+                )
+            if self.approximation == "linear" and model.neuron_levels != reference.neuron_levels:
                 raise ValueError(f"{self.name}: model {index} has other neuron levels")
+            mappings.append(mapping)
         if self.grouping == "hungarian":
             widths = {m.spec.widths for m in models} | {target.widths}
             if len(models) != 2 or len(widths) != 1:
@@ -263,6 +278,7 @@ class NeuronInterpolation(FusionMethod):
                     f"{self.name}: Hungarian Fusion needs exactly 2 models of the target's width "
                     f"(got {len(models)} models, widths {sorted(widths)}); use K-means Fusion"
                 )
+        return mappings
 
     # ------------------------------------------------------------------ grouping
     def _group(
@@ -293,7 +309,7 @@ class NeuronInterpolation(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        self._check_structure(models, target)
+        mappings = self._check_structure(models, target)
         device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
@@ -309,16 +325,27 @@ class NeuronInterpolation(FusionMethod):
         fused = build_model(target, seed=self.seed).to(device).eval()
         neuron_levels = fused.neuron_levels
         captured = [
-            capture_levels(
-                m,
-                data,
-                neuron_levels,
-                batch_size=self.batch_size_capture,
-                device=device,
-                store_device=device,
-                keep_inputs=False,
-            )
-            for m in models
+            {
+                level: io
+                for level, base_level in mapping.items()
+                for io in [capture[base_level]]
+            }
+            for m, mapping in zip(models, mappings, strict=True)
+            for capture in [
+                capture_levels(
+                    m,
+                    data,
+                    sorted(mapping.values()),
+                    batch_size=self.batch_size_capture,
+                    device=device,
+                    store_device=device,
+                    keep_inputs=False,
+                )
+            ]
+        ]
+        scores = [
+            {level: model_scores[base_level] for level, base_level in mapping.items()}
+            for model_scores, mapping in zip(scores, mappings, strict=True)
         ]
         head = resolve_head_weights(
             self.name,
@@ -353,6 +380,8 @@ class NeuronInterpolation(FusionMethod):
                 weights = torch.cat([scores[m][index] for m in range(len(models))]).to(device)
                 labels = None
             k = fused.level_width(index)
+            if labels is None and fused.is_residual(index):
+                labels = self._residual_labels(x, outputs, weights, widths, k)
             if self.approximation == "linear":
                 info = self._fit_linear(level, x, outputs, weights, widths, k, labels)
             else:
@@ -364,7 +393,7 @@ class NeuronInterpolation(FusionMethod):
                     widths,
                     k,
                     labels,
-                    models[0].levels[index],
+                    models[0].levels[mappings[0][index]],
                     is_head,
                     index,
                 )
@@ -374,9 +403,38 @@ class NeuronInterpolation(FusionMethod):
             with torch.no_grad():
                 x = level(x)
             info.update(level=fused.level_name(index), seconds=time.perf_counter() - started)
+            if fused.is_residual(index):
+                info["residual"] = True
             details["levels"].append(info)
             log.debug("%s level %s: %s", self.name, index, info)
+        folded = refold_batchnorm_statistics(fused, data, batch_size=self.batch_size_capture)
+        if folded:
+            details["batchnorm_refolded"] = folded
         return fused.cpu(), details
+
+    @torch.no_grad()
+    def _residual_labels(
+        self,
+        x: torch.Tensor,
+        outputs: list[torch.Tensor],
+        weights: torch.Tensor,
+        widths: list[int],
+        k: int,
+    ) -> torch.Tensor:
+        """Group a residual level's neurons, then number the groups like the fused input's
+        channels they add to: fused neuron ``j`` is ``F(x)_j + x_j``, so its target should be
+        the cluster closest to input channel ``j`` (the residual stream stays aligned)."""
+        z = torch.cat([output_rows(o) for o in outputs], 1)
+        labels = self._group(z.T.contiguous(), weights.to(z.dtype), widths, k)
+        stream = output_rows(x)
+        if stream.shape != (len(z), k):
+            return labels  # a shape change (no identity shortcut after all): nothing to keep
+        targets = cluster_targets(z, labels, weights.to(z.dtype), k)
+        cost = torch.cdist(stream.T.double(), targets.T.double()).pow(2)
+        order = linear_assignment(cost)  # input channel j takes cluster order[j]
+        rename = torch.empty_like(order)
+        rename[order] = torch.arange(k)
+        return rename.to(labels.device)[labels]
 
     def _fit_linear(
         self,
@@ -608,7 +666,7 @@ def _fit_level(
 
     train, val = holdout_split(len(inputs), val_split, generator)
     return fit_with_early_stopping(
-        level,
+        _EvalModeNorms(level),
         mse,
         (train.to(inputs.device), val.to(inputs.device)),
         make_optimizer(optimizer, level.parameters(), lr, weight_decay, momentum=0.9),
@@ -618,6 +676,24 @@ def _fit_level(
         generator=generator,
         keep_initial=False,
     )
+
+
+class _EvalModeNorms(nn.Module):
+    """``level`` whose BatchNorms stay in eval mode while it trains: a fused level is fitted as
+    the fixed function it computes at test time (a BatchNorm is then an affine map); its running
+    statistics are set afterwards by :func:`~fedfuse.fusion.batchnorm.refold_batchnorm_statistics`.
+    """
+
+    def __init__(self, level: nn.Module) -> None:
+        super().__init__()
+        self.level = level
+
+    def train(self, mode: bool = True) -> _EvalModeNorms:
+        super().train(mode)
+        for module in self.level.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+        return self
 
 
 @register_fusion_method

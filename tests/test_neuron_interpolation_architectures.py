@@ -1,0 +1,124 @@
+"""Neuron interpolation on ResNets and ViTs: residual streams, BatchNorm, widths, compression."""
+
+import pytest
+import torch
+
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
+from fedfuse.models import build_model, make_spec
+from fedfuse.models.symmetry import permute_model, random_permutations
+
+RESNET = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 8)
+VIT = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
+FAST = {"epochs": 3, "last_epochs": 3, "device": "cpu", "use_scores": False}
+
+
+def _model(spec, seed, generator):
+    """A model with non-trivial BatchNorm statistics (train-mode passes on shifted data)."""
+    model = build_model(spec, seed=seed)
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(32, *spec.input_shape, generator=generator) * 2 + 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
+@pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
+def test_fusing_a_model_with_its_permuted_copy_keeps_its_function(spec, method, generator):
+    model = _model(spec, 0, generator)
+    copy = permute_model(model, random_permutations(model, generator))
+    data = torch.randn(128, *spec.input_shape, generator=generator)
+    fused = make_fusion_method(method, epsilon=0.0, **FAST).fuse([model, copy], FusionInputs(data))
+    expected, got = model(data), fused.model.eval()(data)
+    # AdamW moves a zero-loss start a little; a wrong pairing or a scrambled residual stream
+    # would move the logits by their own size
+    assert (got - expected).abs().max() < 0.2 * expected.abs().max()
+    assert (got.argmax(1) == expected.argmax(1)).float().mean() > 0.9
+    residual = [level.get("residual", False) for level in fused.details["levels"]]
+    assert residual == [fused.model.is_residual(i) for i in fused.model.neuron_levels]
+
+
+def test_residual_levels_number_clusters_like_the_input_channels(generator):
+    method = make_fusion_method("kf-gradient", device="cpu")
+    x = torch.randn(200, 6, generator=generator)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    outputs = [x[:, order] + 0.01 * torch.randn(200, 6, generator=generator)]
+    labels = method._residual_labels(x, outputs, torch.ones(6), [6], 6)
+    # base neuron i is input channel order[i] plus a small residual: it must take that number
+    assert torch.equal(labels, order)
+
+
+def test_refolding_batchnorm_keeps_the_function_and_sets_the_data_statistics(generator):
+    model = _model(RESNET, 0, generator)
+    data = torch.randn(64, *RESNET.input_shape, generator=generator)
+    before = model(data)
+    assert refold_batchnorm_statistics(model, data) == 12  # stem, 2 per block, 3 shortcuts
+    assert torch.allclose(model(data), before, atol=1e-5)
+    for name, (mean, var) in batchnorm_input_statistics(model, data).items():
+        norm = dict(model.named_modules())[name]
+        assert torch.allclose(norm.running_mean.double(), mean, atol=1e-5), name
+        assert torch.allclose(norm.running_var.double(), var, atol=1e-4), name
+
+
+def test_fused_resnet_has_batchnorm_statistics_of_the_fusion_set(generator):
+    models = [_model(RESNET, seed, generator) for seed in (0, 1)]
+    data = torch.randn(96, *RESNET.input_shape, generator=generator)
+    fused = make_fusion_method("kf-gradient", **FAST).fuse(models, FusionInputs(data)).model
+    assert fused.eval() is fused
+    for name, (mean, var) in batchnorm_input_statistics(fused, data).items():
+        norm = dict(fused.named_modules())[name]
+        assert torch.allclose(norm.running_mean.double(), mean, atol=1e-4), name
+        assert torch.allclose(norm.running_var.double(), var, atol=1e-3, rtol=1e-3), name
+
+
+@pytest.mark.parametrize(
+    ("specs", "target"),
+    [
+        (
+            [RESNET, make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 16)],
+            RESNET.with_widths((6, 6, 12, 24, 48)),
+        ),
+        (
+            [VIT, make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=16, mlp=48)],
+            VIT.with_widths((24, 24, 24)),
+        ),
+    ],
+    ids=["resnet", "vit"],
+)
+def test_models_of_different_widths_fuse_into_a_chosen_width(specs, target, generator):
+    models = [_model(spec, seed, generator) for seed, spec in enumerate(specs)]
+    data = torch.randn(64, *target.input_shape, generator=generator)
+    fused = make_fusion_method("kf-gradient", **FAST).fuse(
+        models, FusionInputs(data), target=target
+    )
+    assert fused.model.spec == target
+    shapes = {k: tuple(v.shape) for k, v in build_model(target, device="meta").state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in fused.model.state_dict().items()} == shapes
+    out = fused.model.eval()(data)
+    assert out.shape == (64, 10) and torch.isfinite(out).all()
+
+
+def test_compressing_a_deeper_resnet_into_a_shallower_one(generator):
+    big = make_spec("resnet", (1, 28, 28), 10, depth=18, width_multiplier=1 / 16)
+    small = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 16)
+    teacher = _model(big, 0, generator)
+    data = torch.randn(128, *big.input_shape, generator=generator)
+    method = make_fusion_method("kf-gradient", **{**FAST, "epochs": 10, "last_epochs": 10})
+    result = method.fuse([teacher], FusionInputs(data), target=small)
+    assert result.model.spec == small and result.model.num_levels == 6
+    expected = teacher(data)
+    fresh = build_model(small, seed=0).eval()(data)
+    error = (result.model.eval()(data) - expected).pow(2).mean()
+    assert error < 0.5 * (fresh - expected).pow(2).mean()
+    with pytest.raises(ValueError, match="cannot compress"):
+        make_fusion_method("fedavg").fuse([teacher], FusionInputs(data), target=small)
+
+
+@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_closed_form_variants_refuse_non_affine_levels_before_training(spec, method):
+    with pytest.raises(
+        ValueError, match=rf"{method}: cannot fuse {spec.arch} models: .*not affine"
+    ):
+        make_fusion_method(method).check_run(2, spec)
