@@ -87,7 +87,7 @@ class FusionMethod(ABC):
                 f"{self.name}: fuses into the base models' own architecture, so it cannot "
                 "compress one model into another spec"
             )
-        self._check(models, inputs, single=compressing)
+        self._check(models, inputs, single=True) if compressing else self._check(models, inputs)
         target = target or models[0].spec
         if target != models[0].spec and not self.retargetable:
             raise ValueError(
@@ -146,8 +146,10 @@ class FusionMethod(ABC):
             affine_levels(model)
 
     def _check(
-        self, models: Sequence[LeveledModel], inputs: FusionInputs, *, single: bool = False
+        self, models: Sequence[LeveledModel], inputs: FusionInputs, single: bool = False
     ) -> None:
+        """Validate models and inputs; ``single``: one model to compress (retargetable
+        methods only; they do not override this)."""
         for index, model in enumerate(models):
             if not isinstance(model, LeveledModel):
                 raise TypeError(
