@@ -80,6 +80,9 @@ from .base import FusionInputs, FusionMethod, register_fusion_method
 from .inputs import check_levels, head_weights
 from .matching import linear_assignment
 
+#: architectures built of residual blocks, which FedMA's layer-wise matching does not cover
+_RESIDUAL_ARCHS = frozenset({"resnet", "vit"})
+
 log = logging.getLogger(__name__)
 
 
@@ -412,6 +415,20 @@ class FedMAMatching(FusionMethod):
                 f"{self.name}: the target {target.to_dict()} differs from the base models' "
                 f"architecture {reference.to_dict()} in more than the widths"
             )
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """FedMA matches each level's neurons into a wider global layer, level by level; across
+        a residual connection (a ResNet's blocks, a ViT's residual stream) one block's output
+        neurons are also summed into every later block's, and FedMA defines no such matching."""
+        residual = [model.level_name(i) for i in model.neuron_levels if model.is_residual(i)]
+        if model.spec.arch in _RESIDUAL_ARCHS or residual:
+            where = f" (levels {', '.join(residual[:3])}{', ...' if len(residual) > 3 else ''})"
+            raise ValueError(
+                f"fedma matches neurons into a wider global layer level by level, which FedMA "
+                f"does not define across residual blocks, and {model.spec.arch} models have "
+                f"them{where if residual else ''}; use kf-gradient, git-rebasin or otfusion"
+            )
+        super().check_architecture(model)
 
     def needs(self) -> frozenset[str]:
         return frozenset({"class_counts"})  # the classifier's mix; uniform without them

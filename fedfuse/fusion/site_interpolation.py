@@ -123,6 +123,21 @@ class SiteInterpolation(FusionMethod):
     def needs(self) -> frozenset[str]:
         return self.requirements() | ({"scores"} if self.use_scores else set())
 
+    def check_architecture(self, model: LeveledModel) -> None:
+        """The statistics rounds fit each level in closed form from the sites' Grams of its
+        design rows, so every level with neurons must be affine (parameter-free ops then one
+        Linear/Conv2d): not a ResNet's BatchNorm stem and residual blocks, nor a ViT's blocks."""
+        for index in model.neuron_levels:
+            if affine_view(model.levels[index]) is None:
+                kind = "residual block" if model.is_residual(index) else "non-affine level"
+                raise ValueError(
+                    f"{self.name} fits every level in closed form from the sites' statistics, "
+                    f"which needs affine levels (parameter-free ops then one Linear/Conv2d); "
+                    f"{model.spec.arch} level {model.level_name(index)} is a {kind} (normalisation"
+                    f" layers, several layers or a residual connection); use kf-gradient, "
+                    f"git-rebasin or otfusion for {model.spec.arch} models"
+                )
+
     # ------------------------------------------------------------------ checks
     def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
         levels = check_levels(self.name, models)
