@@ -85,6 +85,7 @@ from torch import nn
 
 from ..capture import capture_levels
 from ..models import LeveledModel, ModelSpec
+from ..models.symmetry import feature_spaces
 from ..runtime import resolve_device
 from ..training import (
     OPTIMIZERS,
@@ -97,6 +98,7 @@ from ..training import (
 from .affine import AffineLevel, output_rows
 from .alignment import affine_levels
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .fs_merge_spaces import SpaceSuperNet, check_supported, head_input, probe_rows
 from .inputs import check_levels
 
 log = logging.getLogger(__name__)
@@ -239,6 +241,15 @@ class FoldableMatrix(nn.Module):
         return out
 
 
+def _is_affine(model: LeveledModel) -> bool:
+    """Whether every neuron level is affine (the level-wise SuperNet of MLPs and VGGs)."""
+    try:
+        affine_levels(model)
+    except ValueError:
+        return False
+    return True
+
+
 def on_channels(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """Apply a map of rows ``(R, C) -> (R, C')`` to the channel axis (dim 1) of ``x``."""
     if x.dim() == 2:
@@ -371,7 +382,13 @@ class FoldableSuperNet(nn.Module):
 
 @register_fusion_method
 class FSMerge(FusionMethod):
-    r"""FS-Merge (Kinderman et al., TMLR 2025) for MLPs and CNNs of affine levels.
+    r"""FS-Merge (Kinderman et al., TMLR 2025) for MLPs and CNNs of affine levels, and ViTs.
+
+    Models whose neuron levels are all affine (MLP, VGG) use the level-wise SuperNet below;
+    others with described feature spaces and no BatchNorm (ViT) use the feature-space SuperNet
+    of :mod:`fedfuse.fusion.fs_merge_spaces` (App. B: a merge/unmerge pair around every linear
+    layer, LayerNorms learned in the merged space, global objective only; ``epochs`` None there
+    means App. E.2's 200). ResNets (BatchNorm) are refused by :meth:`check_architecture`.
 
     Learns the merge/unmerge matrices of a Foldable SuperNet of the frozen base models on the
     fusion set's inputs (no labels), then folds them into one model of model 0's spec; see the
@@ -411,7 +428,7 @@ class FSMerge(FusionMethod):
     """
 
     name = "fs-merge"
-    needs_affine_levels = True
+    needs_affine_levels = False  # check_architecture decides: affine levels or a ViT
     requires = frozenset({"data"})
 
     def __init__(
@@ -490,10 +507,24 @@ class FSMerge(FusionMethod):
             scheduler=paper.scheduler if self.scheduler is None else self.scheduler,
         )
 
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Affine levels (MLP, VGG): the level-wise SuperNet; else the feature-space SuperNet of
+        :mod:`fedfuse.fusion.fs_merge_spaces` (ViT; global objective only; no BatchNorm)."""
+        if _is_affine(model):
+            return
+        check_supported(model)
+        if self.objective != "global":
+            raise ValueError(
+                "FS-Merge merges transformers with the global objective only (the paper's "
+                "local one fails on them, Sec. 2.2, App. G.3); use objective='global'"
+            )
+
     # ------------------------------------------------------------------ the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
+        if not _is_affine(models[0]):
+            return self._fuse_spaces(models, inputs)
         started = time.perf_counter()
         check_levels(self.name, models)  # a ValueError naming the model and level not affine
         device = resolve_device(self.device)
@@ -626,6 +657,112 @@ class FSMerge(FusionMethod):
         details["train_seconds"] = train_seconds
         details["fold_seconds"] = time.perf_counter() - tic
         details["seconds"] = time.perf_counter() - started
+        return fused, details
+
+    def space_supernet(
+        self, models: Sequence[LeveledModel], data: torch.Tensor, generator: torch.Generator
+    ) -> SpaceSuperNet:
+        """The initialised feature-space SuperNet of ``models`` (ViT; see fs_merge_spaces)."""
+        count = len(models)
+        inits = {}
+        for space in feature_spaces(models[0]):
+            width = space.size
+            if self.init == "zipit":
+                rows = [probe_rows(m, data, space, self.batch_size_capture) for m in models]
+                assign = zipit_assignment(correlation_matrix(rows), count, width).cpu()
+                sizes = torch.bincount(assign, minlength=width).double()
+                diagonal = (1.0 / sizes[assign]).float()
+            else:
+                assign = torch.arange(width).repeat(count)
+                if self.init == "first":
+                    diagonal = torch.zeros(count * width)
+                    diagonal[:width] = 1.0
+                else:
+                    diagonal = torch.full((count * width,), 1.0 / count)
+            inits[space.name] = (assign, diagonal)
+        coefficients = torch.zeros(count)
+        if self.head == "mean":
+            coefficients += 1.0 / count
+        else:
+            coefficients[0] = 1.0
+        return SpaceSuperNet(models, inits, self.rank, coefficients, generator)
+
+    def _fuse_spaces(
+        self, models: list[LeveledModel], inputs: FusionInputs
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """FS-Merge of transformers (App. B): the global objective on the feature-space
+        SuperNet, then folded. ``epochs`` None: App. E.2's 200, one cosine cycle."""
+        started = time.perf_counter()
+        device = resolve_device(self.device)
+        data = inputs.data
+        assert data is not None
+        data = data.to(device)
+        count = len(models)
+        frozen = [copy.deepcopy(m).to(device).eval().requires_grad_(False) for m in models]
+        generator = torch.Generator().manual_seed(self.seed)
+        train, val = holdout_split(len(data), self.val_split, generator)
+        split = (train.to(device), val.to(device))
+        schedule = self.schedule()
+        if self.epochs is None:  # App. E.2 (ViT): 200 epochs, one cosine cycle with warm-up
+            schedule = FSMergeSchedule(
+                epochs=200,
+                lr=schedule.lr,
+                momentum=0.9 if self.momentum is None else self.momentum,
+                scheduler="cosine" if self.scheduler is None else self.scheduler,
+            )
+        tic = time.perf_counter()
+        net = self.space_supernet(frozen, data, generator).to(device)
+        with torch.no_grad():
+            chunks = [
+                torch.cat([head_input(m, data[i : i + self.batch_size_capture]) for m in frozen], 1)
+                for i in range(0, len(data), self.batch_size_capture)
+            ]
+        targets = torch.cat(chunks, 0)
+        init_seconds = time.perf_counter() - tic
+        tic = time.perf_counter()
+        info = self._optimise(
+            net,
+            lambda idx: net.reconstruction(data[idx]),
+            targets,
+            count,
+            split,
+            schedule,
+            generator,
+            f"{self.name} global",
+        )
+        train_seconds = time.perf_counter() - tic
+        info["seconds"] = train_seconds
+        log.info(
+            "%s global (feature spaces): loss %.4g -> %.4g in %d epochs (%.1f s)",
+            self.name,
+            info["initial_loss"],
+            info["best_loss"],
+            info["epochs_run"],
+            train_seconds,
+        )
+        tic = time.perf_counter()
+        fused = net.fold().cpu()
+        details: dict[str, Any] = {
+            "kind": "fusion",
+            "objective": self.objective,
+            "supernet": "feature spaces",
+            "init": self.init,
+            "rank": self.rank,
+            "head": self.head,
+            "schedule": asdict(schedule),
+            "batch_size": self.batch_size or "full",
+            "normalize_targets": self.normalize_targets,
+            "fusion_samples": len(data),
+            "validation_samples": len(val),
+            "sites": len(net.sites),
+            "training": info,
+            "loss": {"initial": info["initial_loss"], "final": info["best_loss"]},
+            "learnable_parameters": sum(p.numel() for p in net.parameters()),
+            "init_seconds": init_seconds,
+            "train_seconds": train_seconds,
+            "fold_seconds": time.perf_counter() - tic,
+            "seconds": time.perf_counter() - started,
+        }
         return fused, details
 
     def _capture(
