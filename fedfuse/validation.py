@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .importance import Scores
-from .models import LeveledModel, ModelSpec, build_model, parameter_shapes
+from .models import LeveledModel, ModelSpec, build_model
 
 #: largest sample count a site may report: far above any real site, small enough to stay exact
 #: in float64 arithmetic (sample-count weights)
@@ -36,13 +36,15 @@ def validate_state_dict(
     """Check ``state`` against the architecture and return it cast to float32.
 
     Names, shapes and dtypes are compared with the spec's (meta-device) shapes first; only then
-    are the values cast to float32 and checked to be finite.
+    are the values cast to float32 and checked to be finite (BatchNorm variances non-negative).
+    Integer buffers (BatchNorm's batch counters) stay integers and must be non-negative.
     """
     spec = model.spec if isinstance(model, LeveledModel) else model
     try:
-        expected = parameter_shapes(spec)
+        reference = build_model(spec, device="meta").state_dict()
     except (ValueError, TypeError, RuntimeError) as error:  # unknown arch, inconsistent spec
         raise ContributionError(f"{source}: {error}") from None
+    expected = {name: tuple(t.shape) for name, t in reference.items()}
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:
@@ -60,6 +62,16 @@ def validate_state_dict(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"architecture expects {shape}"
             )
+        if not reference[name].is_floating_point():  # a counter (BatchNorm's batches seen)
+            if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+                raise ContributionError(
+                    f"{source}: tensor {name!r} is a counter; expected an integer dtype, "
+                    f"got {tensor.dtype}"
+                )
+            if (tensor < 0).any():
+                raise ContributionError(f"{source}: counter {name!r} is negative")
+            checked[name] = tensor.to(reference[name].dtype)
+            continue
         if not tensor.is_floating_point():
             raise ContributionError(f"{source}: tensor {name!r} has non-float dtype {tensor.dtype}")
         cast = tensor.float()
@@ -68,6 +80,8 @@ def validate_state_dict(
             raise ContributionError(
                 f"{source}: tensor {name!r} has {bad} NaN/Inf values (as float32)"
             )
+        if name.endswith("running_var") and (cast < 0).any():
+            raise ContributionError(f"{source}: tensor {name!r} has negative variances")
         checked[name] = cast
     return checked
 

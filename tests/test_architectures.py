@@ -187,3 +187,26 @@ def test_models_of_different_depths_correspond_stage_by_stage():
     assert all(vit.is_residual(i) for i in (1, 2)) and not vit.is_residual(0)
     with pytest.raises(ValueError, match="no level-by-level or stage-by-stage"):
         corresponding_levels(vit, small)
+
+
+def test_resnet_checkpoints_round_trip_with_their_batchnorm_counters(tmp_path, generator):
+    from fedfuse.checkpoint import load_checkpoint, save_checkpoint
+    from fedfuse.validation import ContributionError, validate_state_dict
+
+    spec = SPECS["resnet10-28x28x1"]
+    model = _trained_statistics(build_model(spec, seed=0), spec, generator)
+    path = tmp_path / "site.safetensors"
+    save_checkpoint(path, model)
+    loaded = load_checkpoint(path).model.eval()
+    x = torch.randn(3, *spec.input_shape, generator=generator)
+    assert torch.equal(loaded(x), model(x))
+    assert loaded.state_dict()["levels.0.bn.num_batches_tracked"].item() == 3
+    state = model.state_dict()
+    with pytest.raises(ContributionError, match="counter; expected an integer"):
+        validate_state_dict(
+            spec, {**state, "levels.0.bn.num_batches_tracked": torch.tensor(1.0)}, source="site 2"
+        )
+    bad_var = state["levels.0.bn.running_var"].clone()
+    bad_var[0] = -1
+    with pytest.raises(ContributionError, match="site 2: .*negative variances"):
+        validate_state_dict(spec, {**state, "levels.0.bn.running_var": bad_var}, source="site 2")
