@@ -110,3 +110,83 @@ def predict(
         model.to(model_device)
         _restore(model, modes)
     return torch.cat(outputs)
+
+
+_ACTIVATIONS = (
+    torch.nn.ReLU,
+    torch.nn.GELU,
+    torch.nn.SiLU,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.LeakyReLU,
+    torch.nn.ELU,
+)
+
+
+@torch.no_grad()
+def capture_modules(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    probes: Iterable[tuple[str, int]],
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+    store_device: str | torch.device = "cpu",
+    pre_activation: bool = False,
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Run ``model`` on ``inputs`` and keep the outputs of named submodules as feature rows.
+
+    Args:
+        model: the model; it is put in eval mode for the capture and restored afterwards.
+        inputs: a batch ``(N, ...)`` in the model's input format.
+        probes: ``(module name, channel dim)`` pairs, as in
+            :attr:`fedfuse.models.symmetry.FeatureSpace.probes`: the output of the module named
+            (as in ``model.named_modules()``) holds the features along ``channel dim``.
+        batch_size: samples per forward pass, to bound peak memory.
+        device: where to compute (``"auto"``: CUDA when present).
+        store_device: where the captured rows are kept.
+        pre_activation: for a probe that is an elementwise activation module (ReLU, GELU, ...),
+            keep its input instead (the same features before the nonlinearity: dead units of a
+            ReLU stay distinguishable).
+
+    Returns:
+        ``{(name, dim): rows}``, ``rows`` of shape ``(R, channels)``: the channel dim moved last
+        and every other dim (samples, positions, tokens) pooled into rows, like
+        :func:`fedfuse.fusion.affine.output_rows` does for level outputs.
+    """
+    wanted = list(dict.fromkeys((str(name), int(dim)) for name, dim in probes))
+    modules = dict(model.named_modules())
+    missing = sorted({name for name, _ in wanted} - modules.keys())
+    if missing:
+        raise ValueError(f"the model has no modules named {missing}")
+    compute = resolve_device(device)
+    chunks: dict[tuple[str, int], list[torch.Tensor]] = {probe: [] for probe in wanted}
+
+    def hook_for(name: str):  # noqa: ANN202 - a forward hook
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if pre_activation and isinstance(module, _ACTIVATIONS):
+                output = args[0]
+            for probe in wanted:
+                if probe[0] == name:
+                    rows = output.detach().movedim(probe[1], -1)
+                    chunks[probe].append(rows.reshape(-1, rows.shape[-1]).to(store_device))
+
+        return hook
+
+    modes = _modes(model)
+    model_device = next(model.parameters()).device
+    handles = [
+        modules[name].register_forward_hook(hook_for(name))
+        for name in dict.fromkeys(name for name, _ in wanted)
+    ]
+    model.eval()
+    try:
+        model.to(compute)
+        for start in range(0, len(inputs), batch_size):
+            model(inputs[start : start + batch_size].to(compute))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.to(model_device)
+        _restore(model, modes)
+    return {probe: torch.cat(rows) for probe, rows in chunks.items()}

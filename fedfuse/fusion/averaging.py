@@ -3,6 +3,13 @@
 Both average parameters coordinate by coordinate, so they only make sense for models whose
 neurons already correspond (a shared initialisation, as in Flower's usual FedAvg); with
 independently initialised clients they are the baseline the alignment methods must beat.
+
+Every state-dict entry is averaged, BatchNorm running statistics included; integer buffers
+(BatchNorm's ``num_batches_tracked``) get the rounded weighted average. Any architecture
+(MLP, VGG, ResNet, ViT) works. With ``reset_batchnorm=True`` (off by default, so FedAvg stays
+the plain reference) the fused model's BatchNorm running statistics are then recomputed on the
+fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`), which the option then
+requires; models without BatchNorm are unaffected.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch
 from ..models import LeveledModel, ModelSpec, build_model
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .inputs import sample_counts
+from .repair import has_batchnorm, reset_batchnorm_statistics
 
 
 def average_state_dicts(
@@ -38,26 +46,66 @@ def average_state_dicts(
                 totals[name] = torch.zeros(tensor.shape, dtype=torch.float64)
                 dtypes[name] = tensor.dtype
             totals[name].add_(tensor.detach().cpu().double(), alpha=weight)
-    return {name: total.to(dtypes[name]) for name, total in totals.items()}
+    return {
+        name: (total if dtypes[name].is_floating_point else total.round()).to(dtypes[name])
+        for name, total in totals.items()
+    }
+
+
+class _Averaging(FusionMethod):
+    """Shared options: the optional BatchNorm statistics reset on the fusion set."""
+
+    def __init__(
+        self, reset_batchnorm: bool = False, device: str = "auto", batch_size: int = 256
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.reset_batchnorm = reset_batchnorm
+        self.device = device
+        self.batch_size = batch_size
+
+    def requirements(self) -> frozenset[str]:
+        return self.requires | ({"data"} if self.reset_batchnorm else set())
+
+    def _average(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec, weights
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        fused = build_model(target, seed=0)  # weights are overwritten; keep the global RNG
+        fused.load_state_dict(average_state_dicts(models, weights))
+        total = sum(weights)
+        details: dict[str, Any] = {"weights": [w / total for w in weights]}
+        if self.reset_batchnorm and has_batchnorm(fused):
+            assert inputs.data is not None
+            reset_batchnorm_statistics(fused, inputs.data, self.batch_size, self.device)
+            details["reset_batchnorm"] = True
+        return fused, details
 
 
 @register_fusion_method
-class VanillaAveraging(FusionMethod):
-    """Uniform average of the models' parameters."""
+class VanillaAveraging(_Averaging):
+    """Uniform average of the models' parameters and buffers.
+
+    Args:
+        reset_batchnorm: recompute BatchNorm running statistics on the fusion set (needs it).
+        device: where the BatchNorm statistics are recomputed.
+        batch_size: samples per forward pass of that reset.
+    """
 
     name = "vanilla"
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        fused = build_model(target, seed=0)  # weights are overwritten; keep the global RNG
-        fused.load_state_dict(average_state_dicts(models))
-        return fused, {"weights": [1 / len(models)] * len(models)}
+        return self._average(models, inputs, target, [1.0] * len(models))
 
 
 @register_fusion_method
-class FedAvg(FusionMethod):
-    """Average weighted by each client's number of training samples (McMahan et al., 2017)."""
+class FedAvg(_Averaging):
+    """Average weighted by each client's number of training samples (McMahan et al., 2017).
+
+    Args: as :class:`VanillaAveraging`; ``reset_batchnorm`` is off by default so that FedAvg
+    stays the plain reference.
+    """
 
     name = "fedavg"
     requires = frozenset({"sample_counts"})
@@ -66,6 +114,4 @@ class FedAvg(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         counts = sample_counts(self.name, inputs, len(models))
-        fused = build_model(target, seed=0)  # weights are overwritten; keep the global RNG
-        fused.load_state_dict(average_state_dicts(models, counts))
-        return fused, {"weights": [c / sum(counts) for c in counts]}
+        return self._average(models, inputs, target, [float(c) for c in counts])

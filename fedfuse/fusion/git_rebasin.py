@@ -34,6 +34,23 @@ scores). ``lambda_i = c_A / (c_A + c_B)`` when both scores are 0. The classifier
 with ``c_A, c_B`` only (class logits have no neuron scores to pair). Optionally followed by
 :func:`~fedfuse.fusion.repair.repair` with ``A`` and the permuted ``B`` and ``alpha = (c_A, c_B)``.
 
+Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
+with every option. Any other model whose neuron symmetries
+:func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
+path (:mod:`fedfuse.fusion.space_alignment`): per feature space (a ResNet residual stream or
+block interior; the ViT residual stream, each block's query/key dims, value dims and MLP hidden
+units), the same cost summed over the space's probes (every module output holding its
+features), the Hungarian permutation (per attention head for grouped spaces), applied to every
+axis of the space (BatchNorm buffers and LayerNorm parameters included), then the average. On
+that path the generic cost gives the same permutations as the level path on MLP/VGG (same
+features, same cost), but ``use_scores`` and ``repair`` (which fold into affine levels) are
+refused by :meth:`GitReBasin.check_architecture`.
+
+BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
+are recomputed on the fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`,
+the paper's "reset BN" and REPAIR's BatchNorm form); without it they are the averaged aligned
+statistics. Models without BatchNorm are unaffected.
+
 Reference: S. K. Ainsworth, J. Hayase, S. Srinivasa. "Git Re-Basin: Merging Models modulo
 Permutation Symmetries". ICLR 2023 (arXiv:2209.04836, 2022).
 """
@@ -50,12 +67,22 @@ import torch
 from ..capture import capture_levels
 from ..importance import SCORE_METHODS
 from ..models import LeveledModel, ModelSpec, build_model
+from ..models.symmetry import permutation_matrix
 from ..runtime import resolve_device
 from .alignment import affine_levels, permute_level
+from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .inputs import averaging_weights, check_levels, resolve_scores
 from .matching import correlation, linear_assignment, squared_distances
+from .repair import has_batchnorm, reset_batchnorm_statistics
 from .repair import repair as repair_model
+from .space_alignment import (
+    align_model,
+    block_assignment,
+    capture_space,
+    check_feature_spaces,
+    space_cost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +129,22 @@ class GitReBasin(FusionMethod):
             importance scores (the paper's App. C).
         fallback_scores: score method on the fusion set when scores are used but none given.
         weighted_average: weight the two models by their sample counts.
-        repair: apply REPAIR (Jordan et al., 2022) to the fused model.
+        repair: apply REPAIR (Jordan et al., 2022) to the fused model (affine levels only).
+        reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
+            set (models with BatchNorm only; default on).
         device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
         batch_size_capture: samples per forward pass when capturing level outputs.
 
     Details: ``weights`` (the model weights ``c``), and ``levels``: per hidden level its
     ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row),
-    ``moved`` (neurons not matched to their own index), ``permutation`` and ``seconds``.
+    ``moved`` (neurons not matched to their own index), ``permutation`` and ``seconds``; on the
+    feature-space path ``spaces`` instead, the same per space (``matched`` averaged over its
+    probes), and ``path`` (``"levels"`` or ``"spaces"``) in both.
     """
 
     name = "git-rebasin"
     requires = frozenset({"data"})
     max_models = 2  # activation matching is pairwise
-    needs_affine_levels = True
 
     def __init__(
         self,
@@ -123,6 +153,7 @@ class GitReBasin(FusionMethod):
         fallback_scores: str = "uniform",
         weighted_average: bool = False,
         repair: bool = False,
+        reset_batchnorm: bool = True,
         device: str = "auto",
         batch_size_capture: int = 256,
     ) -> None:
@@ -135,8 +166,26 @@ class GitReBasin(FusionMethod):
         self.fallback_scores = fallback_scores
         self.weighted_average = weighted_average
         self.repair = repair
+        self.reset_batchnorm = reset_batchnorm
         self.device = device
         self.batch_size_capture = batch_size_capture
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
+        (ResNet, ViT), without ``use_scores`` or ``repair`` (per-level, affine-only options)."""
+        if _affine(model):
+            return
+        check_feature_spaces(model)
+        if self.use_scores:
+            raise ValueError(
+                "use_scores weighs neurons level by level, which needs affine levels; fuse "
+                "with use_scores=false (feature-space matching)"
+            )
+        if self.repair:
+            raise ValueError(
+                "repair folds its correction into affine levels; use repair=false (BatchNorm "
+                "statistics are recomputed on the fusion set with reset_batchnorm=true)"
+            )
 
     def requirements(self) -> frozenset[str]:
         return self.requires | ({"sample_counts"} if self.weighted_average else set())
@@ -150,6 +199,67 @@ class GitReBasin(FusionMethod):
         return frozenset(needed)
 
     def _fuse(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        if _affine(models[0]):
+            fused, details = self._fuse_levels(models, inputs, target)
+        else:
+            fused, details = self._fuse_spaces(models, inputs, target)
+        if self.reset_batchnorm and has_batchnorm(fused):
+            assert inputs.data is not None
+            started = time.perf_counter()
+            reset_batchnorm_statistics(
+                fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
+            )
+            details["reset_batchnorm_seconds"] = time.perf_counter() - started
+        return fused, details
+
+    def _fuse_spaces(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Match every feature space of model 1 to model 0's, permute, average."""
+        device = resolve_device(self.device)
+        assert inputs.data is not None
+        weights = averaging_weights(self.name, inputs, 2, self.weighted_average)
+        a, b = models
+        spaces = check_feature_spaces(a)
+        details: dict[str, Any] = {
+            "path": "spaces",
+            "weights": weights,
+            "cost": self.cost,
+            "spaces": [],
+        }
+        maps = {}
+        for space in spaces:
+            started = time.perf_counter()
+            captured = [
+                capture_space(
+                    m, inputs.data, space, batch_size=self.batch_size_capture, device=device
+                )
+                for m in models
+            ]
+            cost = space_cost(*captured, self.cost, self.batch_size_capture)
+            del captured
+            permutation = block_assignment(cost, space.groups)
+            matched = float(cost[torch.arange(space.size), permutation].mean()) / len(space.probes)
+            maps[space.name] = permutation_matrix(permutation)
+            seconds = time.perf_counter() - started
+            details["spaces"].append(
+                {
+                    "space": space.name,
+                    "matched": -matched if self.cost == "correlation" else matched,
+                    "moved": int((permutation != torch.arange(space.size)).sum()),
+                    "permutation": permutation.tolist(),
+                    "seconds": seconds,
+                }
+            )
+            log.debug("%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds)
+        permuted = align_model(b, maps, spaces)
+        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+        fused.load_state_dict(average_state_dicts([a, permuted], weights))
+        return fused, details
+
+    def _fuse_levels(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         levels = check_levels(self.name, models)
@@ -178,7 +288,12 @@ class GitReBasin(FusionMethod):
             for m in models
         ]
         permuted = copy.deepcopy(b).cpu()
-        details: dict[str, Any] = {"weights": weights, "cost": self.cost, "levels": []}
+        details: dict[str, Any] = {
+            "path": "levels",
+            "weights": weights,
+            "cost": self.cost,
+            "levels": [],
+        }
         lambdas: dict[int, torch.Tensor] = {}
         for index in hidden:
             started = time.perf_counter()
@@ -220,6 +335,15 @@ class GitReBasin(FusionMethod):
             )
             details["repair_seconds"] = time.perf_counter() - started
         return fused, details
+
+
+def _affine(model: LeveledModel) -> bool:
+    """Whether every neuron level of ``model`` is affine (the level path applies)."""
+    try:
+        affine_levels(model)
+    except ValueError:
+        return False
+    return True
 
 
 @torch.no_grad()

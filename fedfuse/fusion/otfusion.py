@@ -33,7 +33,30 @@ is then the same as a Hungarian matching on the same cost. Activations are those
 *original* models (as in the authors' activation-based variant): for a permutation they equal
 those of the realigned model; for a soft map they are a cheaper proxy.
 
-Reference: S. P. Singh, M. Jaggi. "Model Fusion via Optimal Transport". NeurIPS 2020.
+Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
+with every option. Any other model whose neuron symmetries
+:func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
+path (:mod:`fedfuse.fusion.space_alignment`), as in Imfeld et al. (2023) for Transformers: each
+feature space gets *one* transport map, applied consistently on every axis it indexes. For the
+ViT residual stream that is the patch embedding, class token and position embedding, every
+LayerNorm's parameters, the input side of Q/K/V and of the MLP, the output side of the attention
+projection and of the MLP, and the head; Q/K (jointly) and V/O are transported within each
+attention head (block-diagonal maps); the MLP hidden units by themselves. For a ResNet, each
+residual stream (conv, shortcut and BatchNorm parameters and buffers) and each block interior.
+The ground cost is the squared distance of the activations (``ground_metric="activations"``),
+summed over the space's probes (every module output holding its features), with uniform
+marginals. On that path ``ground_metric="weights"``, ``use_scores`` and ``repair`` are refused
+by :meth:`OTFusion.check_architecture`; models of different widths are never fused (the base
+models share one spec and the fused model has it).
+
+BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
+are recomputed on the fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`):
+a soft transport map mixes the running variances linearly, which is only right for a
+permutation. Models without BatchNorm are unaffected.
+
+References: S. P. Singh, M. Jaggi. "Model Fusion via Optimal Transport". NeurIPS 2020.
+M. Imfeld, J. Graldi, M. Giordano, T. Hofmann, S. Anagnostidis, S. P. Singh. "Transformer
+Fusion with Optimal Transport". ICLR 2024 (arXiv:2310.05719, 2023).
 """
 
 from __future__ import annotations
@@ -58,7 +81,16 @@ from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
 from .inputs import averaging_weights, check_levels, resolve_scores
 from .matching import squared_distances
+from .repair import has_batchnorm, reset_batchnorm_statistics
 from .repair import repair as repair_model
+from .space_alignment import (
+    align_model,
+    block_transport,
+    capture_space,
+    check_feature_spaces,
+    is_permutation,
+    space_cost,
+)
 
 log = logging.getLogger(__name__)
 
@@ -169,18 +201,20 @@ class OTFusion(FusionMethod):
         fallback_scores: score method on the fusion set when scores are used but none given.
         weighted_average: average the aligned models weighted by their sample counts.
         repair: apply REPAIR (Jordan et al., 2022) to the fused model, with the aligned models'
-            statistics and the averaging weights; needs the fusion set.
+            statistics and the averaging weights; needs the fusion set (affine levels only).
+        reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
+            set (models with BatchNorm only, which need the fusion set anyway; default on).
         device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
         batch_size_capture: samples per forward pass when capturing level outputs.
 
     Details: ``reference``, ``weights``, and ``levels``: per hidden level its ``level`` name,
     ``transport_cost`` (``<P*, C>`` per aligned model, in the ground metric's units),
     ``seconds`` (cost and transport, all models) and ``permutation`` (whether every plan was a
-    permutation).
+    permutation). On the feature-space path ``spaces`` instead, the same per feature space,
+    and ``path`` (``"levels"`` or ``"spaces"``) in both.
     """
 
     name = "otfusion"
-    needs_affine_levels = True
 
     def __init__(
         self,
@@ -193,6 +227,7 @@ class OTFusion(FusionMethod):
         fallback_scores: str = "uniform",
         weighted_average: bool = False,
         repair: bool = False,
+        reset_batchnorm: bool = True,
         device: str = "auto",
         batch_size_capture: int = 256,
     ) -> None:
@@ -215,8 +250,28 @@ class OTFusion(FusionMethod):
         self.fallback_scores = fallback_scores
         self.weighted_average = weighted_average
         self.repair = repair
+        self.reset_batchnorm = reset_batchnorm
         self.device = device
         self.batch_size_capture = batch_size_capture
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
+        (ResNet, ViT), with activation costs and without ``use_scores`` or ``repair``."""
+        if _affine(model):
+            return
+        check_feature_spaces(model)
+        refused = {
+            "ground_metric='weights'": self.ground_metric != "activations",
+            "use_scores": self.use_scores,
+            "repair": self.repair,
+        }
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} work(s) level by level and need(s) affine levels; "
+                "feature-space OTFusion uses activation costs, uniform marginals and "
+                "reset_batchnorm for BatchNorm statistics"
+            )
 
     def requirements(self) -> frozenset[str]:
         needed = set(self.requires)
@@ -228,18 +283,91 @@ class OTFusion(FusionMethod):
 
     def needs(self) -> frozenset[str]:
         needed = set(self.requirements())
+        if self.reset_batchnorm:
+            needed.add("data")  # read for models with BatchNorm (which need it anyway)
         if self.use_scores:
             needed.add("scores")
             if self.fallback_scores != "uniform":
                 needed |= {"data", "labels"}
         return frozenset(needed)
 
-    def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs) -> None:
-        super()._check(models, inputs)
+    def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs, **options: Any) -> None:
+        super()._check(models, inputs, **options)
         if not 0 <= self.reference < len(models):
             raise ValueError(f"{self.name}: reference {self.reference} is not one of the models")
 
     def _fuse(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        if _affine(models[0]):
+            fused, details = self._fuse_levels(models, inputs, target)
+        else:
+            fused, details = self._fuse_spaces(models, inputs, target)
+        if self.reset_batchnorm and has_batchnorm(fused):
+            if inputs.data is None:
+                raise ValueError(f"{self.name}: resetting BatchNorm statistics needs the data")
+            started = time.perf_counter()
+            reset_batchnorm_statistics(
+                fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
+            )
+            details["reset_batchnorm_seconds"] = time.perf_counter() - started
+        return fused.cpu(), details
+
+    def _fuse_spaces(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Transport every feature space of every model onto the reference's, then average."""
+        device = resolve_device(self.device)
+        assert inputs.data is not None
+        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
+        ref = self.reference
+        spaces = check_feature_spaces(models[ref])
+        maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
+        details: dict[str, Any] = {
+            "path": "spaces",
+            "reference": ref,
+            "weights": weights,
+            "ground_metric": self.ground_metric,
+            "solver": self.solver,
+            "spaces": [],
+        }
+        for space in spaces:
+            started = time.perf_counter()
+            captured_ref = capture_space(
+                models[ref], inputs.data, space, batch_size=self.batch_size_capture, device=device
+            )
+            costs: dict[int, float] = {}
+            permutation = True
+            for k, model in enumerate(models):
+                if k == ref:
+                    continue
+                captured = capture_space(
+                    model, inputs.data, space, batch_size=self.batch_size_capture, device=device
+                )
+                cost = space_cost(captured_ref, captured, "l2", self.batch_size_capture)
+                del captured
+                matrix, costs[k] = block_transport(
+                    cost, space.groups, solver=self.solver, reg=self.reg, max_iter=self.max_iter
+                )
+                permutation &= is_permutation(matrix)
+                maps[k][space.name] = matrix
+            del captured_ref
+            seconds = time.perf_counter() - started
+            details["spaces"].append(
+                {
+                    "space": space.name,
+                    "transport_cost": [costs[k] for k in sorted(costs)],
+                    "permutation": permutation,
+                    "seconds": seconds,
+                }
+            )
+            log.debug("%s space %s: costs %s (%.3f s)", self.name, space.name, costs, seconds)
+        aligned = [m if k == ref else align_model(m, maps[k], spaces) for k, m in enumerate(models)]
+        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+        fused.load_state_dict(average_state_dicts(aligned, weights))
+        return fused, details
+
+    def _fuse_levels(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         levels = check_levels(self.name, models)
@@ -272,6 +400,7 @@ class OTFusion(FusionMethod):
         aligned = [copy.deepcopy(m).cpu() for m in models]  # the inputs are never modified
         views = [affine_levels(m) for m in aligned]
         details: dict[str, Any] = {
+            "path": "levels",
             "reference": ref,
             "weights": weights,
             "ground_metric": self.ground_metric,
@@ -338,3 +467,12 @@ class OTFusion(FusionMethod):
             )
             details["repair_seconds"] = time.perf_counter() - started
         return fused.cpu(), details
+
+
+def _affine(model: LeveledModel) -> bool:
+    """Whether every neuron level of ``model`` is affine (the level path applies)."""
+    try:
+        affine_levels(model)
+    except ValueError:
+        return False
+    return True
