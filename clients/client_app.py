@@ -1,5 +1,7 @@
 """The site's Flower ``ClientApp``: train locally once, score neurons locally, upload both;
-then, for methods fitted on the sites' data, answer one statistics query per level.
+then, for methods fitted on the sites' data, answer one statistics query per level; and, when
+the run fine-tunes on the sites (``finetune-data="sites"``), train the fused model on the site's
+data once more and send it back (``train.finetune``).
 
 Simulation: a site's data is its partition (``partition-id`` / ``num-partitions``, set by Flower)
 of the configured dataset. Deployment: start the SuperNode with
@@ -17,12 +19,14 @@ from fedfuse.scenario import RunSettings
 
 from .records import (
     WEIGHTS_KEY,
+    pack_finetune_reply,
     pack_statistics,
     pack_upload,
+    unpack_finetune_request,
     unpack_statistics_request,
     unpack_tensors,
 )
-from .site import answer_statistics_request, train_site
+from .site import answer_statistics_request, finetune_site, train_site
 
 app = ClientApp()
 
@@ -70,3 +74,18 @@ def statistics_round(msg: Message, context: Context) -> Message:
         settings, request, model, partition_id, num_partitions, data_path=data_path
     )
     return Message(content=pack_statistics(statistics), reply_to=msg)
+
+
+@app.train("finetune")
+def finetune_round(msg: Message, context: Context) -> Message:
+    """The fine-tuning round after fusion: the fused model the server sent, trained on the
+    site's own data for ``finetune-epochs`` and sent back for averaging."""
+    configure_logging()
+    settings = RunSettings.from_config(context.run_config)
+    partition_id, num_partitions, data_path = site_identity(context)
+    model = unpack_finetune_request(msg.content)
+    tuned = finetune_site(settings, model, partition_id, num_partitions, data_path=data_path)
+    return Message(
+        content=pack_finetune_reply(tuned.model, tuned.num_examples, tuned.details, partition_id),
+        reply_to=msg,
+    )

@@ -1,5 +1,6 @@
-"""The wire format of a client's upload (weights, importance scores, site facts) and of the
-statistics rounds (the server's request, the site's statistics).
+"""The wire format of a client's upload (weights, importance scores, site facts), of the
+statistics rounds (the server's request, the site's statistics) and of the fine-tuning round
+after fusion (the fused model out, each site's fine-tuned copy back).
 
 Both sides use these helpers, so the record keys are defined once. Tensors travel as Flower
 ``ArrayRecord``s (numpy buffers, never pickles); the site facts as a ``ConfigRecord``.
@@ -167,3 +168,76 @@ def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
         gram_floor=floor,
         seconds=seconds,
     )
+
+
+# ---------------------------------------------------------------------- fine-tuning round
+#: the Message type of the fine-tuning round after fusion (``@app.train("finetune")``)
+FINETUNE_MESSAGE = "train.finetune"
+FINETUNE_KEY = "finetune"
+#: the fine-tuning details a site reports (``loss-before`` ...: on its own data)
+_FINETUNE_METRICS = ("loss_before", "loss_after", "accuracy_before", "accuracy_after")
+
+
+def pack_finetune_request(model: LeveledModel, label: str = "") -> RecordDict:
+    """The server's message of the fine-tuning round: the fused model to train on the site's
+    data (the options are the run config's ``finetune-*`` keys, which every site reads)."""
+    return RecordDict(
+        {
+            WEIGHTS_KEY: ArrayRecord(model.state_dict()),
+            FINETUNE_KEY: ConfigRecord(
+                {"model-spec": json.dumps(model.spec.to_dict()), "label": str(label)}
+            ),
+        }
+    )
+
+
+def unpack_finetune_request(content: RecordDict) -> LeveledModel:
+    """The fused model of a fine-tuning message, validated (ValueError when malformed)."""
+    try:
+        config = content.config_records[FINETUNE_KEY]
+        spec = ModelSpec.from_dict(json.loads(str(config["model-spec"])))
+        state = unpack_tensors(content.array_records[WEIGHTS_KEY])
+    except (KeyError, TypeError, ValueError, RecursionError) as error:
+        raise ValueError(f"malformed fine-tuning request ({error!r})") from None
+    return model_from_state(spec, state, source="the fused model of the fine-tuning request")
+
+
+def pack_finetune_reply(
+    model: LeveledModel, num_examples: int, details: dict, partition_id: int
+) -> RecordDict:
+    """A site's reply to the fine-tuning round: its fine-tuned copy of the fused model."""
+    return RecordDict(
+        {
+            WEIGHTS_KEY: ArrayRecord(model.state_dict()),
+            METRICS_KEY: MetricRecord(
+                {
+                    "num-examples": int(num_examples),
+                    **{
+                        key.replace("_", "-"): float(details[key])
+                        for key in _FINETUNE_METRICS
+                        if key in details
+                    },
+                    f"{SECONDS_PREFIX}finetune": float(details.get("seconds", 0.0)),
+                }
+            ),
+            SITE_KEY: ConfigRecord({"partition-id": int(partition_id)}),
+        }
+    )
+
+
+def unpack_finetune_reply(
+    content: RecordDict, spec: ModelSpec, *, source: str
+) -> tuple[LeveledModel, dict[str, float]]:
+    """A site's fine-tuned model (architecture ``spec``, finite weights) and its metrics;
+    ValueError naming ``source`` when anything is malformed."""
+    try:
+        state = unpack_tensors(content.array_records[WEIGHTS_KEY])
+        metrics = content.metric_records.get(METRICS_KEY) or {}
+        facts = {
+            str(k)[:32]: float(v)
+            for k, v in list(metrics.items())[:16]
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{source}: malformed fine-tuning reply ({error})"[:300]) from None
+    return model_from_state(spec, state, source=source), facts

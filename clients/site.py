@@ -1,25 +1,30 @@
-"""What a site does in its one round, without Flower: load data, train, score, package.
+"""What a site does in its one round, without Flower: load data, train, score, package; and
+what it does in the rounds that may follow (statistics for site-fitted fusion, fine-tuning the
+fused model on its data).
 
-``clients/client_app.py`` is only the Flower glue around :func:`train_site`; tests and
-benchmarks call it directly.
+``clients/client_app.py`` is only the Flower glue around :func:`train_site`,
+:func:`answer_statistics_request` and :func:`finetune_site`; tests and benchmarks call them
+directly.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
+from fedfuse.finetune import finetune
 from fedfuse.fusion import FUSION_METHODS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
 from fedfuse.importance import importance_scores
 from fedfuse.models import LeveledModel, build_model
 from fedfuse.runtime import limit_threads, seed_everything
-from fedfuse.scenario import RunSettings, Scenario, client_seed, scores_sample
+from fedfuse.scenario import RunSettings, Scenario, client_seed, finetune_seed, scores_sample
 from fedfuse.site_cache import CachedSite, SiteCache
 from fedfuse.training import train
 from fedfuse.uploads import ClientUpload
@@ -140,6 +145,44 @@ def answer_statistics_request(
         statistics.seconds,
     )
     return statistics
+
+
+@dataclass
+class SiteFinetune:
+    """A site's answer to the fine-tuning round: the fused model trained on its data."""
+
+    model: LeveledModel
+    num_examples: int
+    details: dict[str, Any]
+
+
+def finetune_site(
+    settings: RunSettings,
+    model: LeveledModel,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    data_path: str | None = None,
+) -> SiteFinetune:
+    """The fine-tuning round of a site: a copy of the fused ``model`` trained on the site's own
+    data for ``finetune-epochs`` (:func:`fedfuse.finetune.finetune` with the run's settings and
+    the site's own seed); ``model`` is left as it was."""
+    limit_threads(settings.threads)
+    data = load_site_data(settings, partition_id, num_partitions, data_path)
+    if tuple(data.input_shape) != tuple(model.spec.input_shape):
+        raise ValueError(
+            f"client {partition_id}: its data has samples of shape {data.input_shape}, the "
+            f"fused model takes {tuple(model.spec.input_shape)}"
+        )
+    tuned, details = finetune(
+        model,
+        data.inputs(),
+        data.labels,
+        seed=finetune_seed(settings, partition_id),
+        description=f"client {partition_id} fine-tune",
+        **settings.finetune_kwargs(),
+    )
+    return SiteFinetune(tuned.cpu(), len(data), details)
 
 
 def _train(

@@ -283,6 +283,18 @@ def simulate(args: argparse.Namespace) -> int:
         + f", run {report['wall_seconds']:.0f} s"
     )
     print(format_accuracy_table(report["accuracy"]))
+    finetuned = report.get("finetuned", {})
+    if finetuned:
+        print("fine-tuned after fusion (not zero-shot):")
+        for entry in finetuned.values():
+            if entry["status"] == "ok":
+                scores = entry["accuracy"]
+                print(
+                    f"  {entry['label']}: {scores['accuracy'] * 100:.2f}% "
+                    f"(loss {scores['loss']:.3f}, {entry['seconds']:.1f} s)"
+                )
+            for problem in entry.get("problems", []):
+                print(f"  problem: {problem}")
     for problem in report.get("rejected", []):
         print(f"rejected: {problem}")
     print(f"results: {results.parent.resolve()}")
@@ -290,6 +302,12 @@ def simulate(args: argparse.Namespace) -> int:
         for name, fusion in fusions.items():
             if fusion["status"] != "ok":
                 print(f"fedfuse simulate: {name} FAILED: {fusion.get('error')}", file=sys.stderr)
+        for entry in finetuned.values():
+            if entry["status"] != "ok":
+                print(
+                    f"fedfuse simulate: {entry['label']} FAILED: {entry.get('error')}",
+                    file=sys.stderr,
+                )
         return 1
     return 0
 

@@ -1,9 +1,9 @@
 """One source of truth for a run's settings: the Hydra config and the Flower run config.
 
 ``configs/`` (package ``fedfuse.configs``) holds the Hydra groups (dataset, model, partition,
-training, scores, fusion_set, method, runner) and experiment presets; ``compare.yaml`` is the
-primary config. :func:`settings_from_config` turns a composed config into the
-:class:`~fedfuse.scenario.RunSettings` that the Flower apps read (run-config keys), and
+training, scores, fusion_set, finetune, method, runner) and experiment presets;
+``compare.yaml`` is the primary config. :func:`settings_from_config` turns a composed config
+into the :class:`~fedfuse.scenario.RunSettings` that the Flower apps read (run-config keys), and
 :func:`overrides_from_settings` turns run settings back into Hydra overrides, so either side can
 describe a run and ``compose(overrides_from_settings(s)) -> s`` holds. An unknown key is an error
 on both sides: :meth:`RunSettings.from_config` rejects unknown run-config keys, and
@@ -60,6 +60,17 @@ def _groups_from_run(value: str) -> list[list[int]] | None:
     return RunSettings(sharded_class_groups=value).class_groups()
 
 
+def _options_to_run(value: Any) -> str:
+    """A model's options mapping as run-config text, ``"depth=10 width_multiplier=0.25"``."""
+    if not value:
+        return ""
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in value.items())
+
+
+def _options_from_run(value: str) -> dict[str, Any]:
+    return parse_options(value)
+
+
 @dataclass(frozen=True)
 class Key:
     """One config key (``group.key`` or a root key) and the run-config field it sets."""
@@ -77,6 +88,8 @@ KEYS: tuple[Key, ...] = (
     Key("model.name", "model"),
     Key("model.widths", "mlp_widths", _widths_to_run, _widths_from_run),
     Key("model.width_multiplier", "vgg_width_multiplier"),
+    Key("model.options", "model_options", _options_to_run, _options_from_run),
+    Key("fused_widths", "fused_widths", str, str),
     Key("partition.name", "partitioner"),
     Key("partition.alpha_min", "dirichlet_alpha_min"),
     Key("partition.min_max_ratio", "dirichlet_min_max_ratio"),
@@ -95,6 +108,15 @@ KEYS: tuple[Key, ...] = (
     Key("fusion_set.samples", "fusion_samples"),
     Key("fusion_set.source", "fusion_source", str, str),
     Key("fusion_set.data", "fusion_data"),
+    Key("fusion_set.augment_copies", "fusion_augment_copies"),
+    Key("fusion_set.augment_flip", "fusion_augment_flip"),
+    Key("fusion_set.augment_padding", "fusion_augment_padding"),
+    Key("finetune.data", "finetune_data"),
+    Key("finetune.epochs", "finetune_epochs"),
+    Key("finetune.lr", "finetune_lr"),
+    Key("finetune.min_lr", "finetune_min_lr"),
+    Key("finetune.label_smoothing", "finetune_label_smoothing"),
+    Key("finetune.restart_epochs", "finetune_restart_epochs"),
     Key("seed", "seed"),
     Key("device", "device"),
     Key("threads", "threads"),
@@ -259,7 +281,12 @@ def overrides_from_settings(settings: RunSettings, sites: int | None = None) -> 
             if key.path.split(".")[1] not in own.get(settings.partitioner, ()):
                 continue
         if key.path.startswith("model.") and key.path != "model.name":
-            own_model = {"mlp": ("widths",), "vgg11": ("width_multiplier",)}
+            own_model = {
+                "mlp": ("widths",),
+                "vgg11": ("width_multiplier",),
+                "resnet": ("options",),
+                "vit": ("options",),
+            }
             if key.path.split(".")[1] not in own_model.get(settings.model, ()):
                 continue
         overrides.append(f"{key.path}={_override_value(value)}")
@@ -282,4 +309,6 @@ def _override_value(value: Any) -> str:
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(value, list | tuple):
         return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_value(v)}" for k, v in value.items()) + "}"
     return repr(value)

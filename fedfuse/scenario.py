@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .augmentation import augment_dataset
 from .data import ImageDataset, load_dataset, load_npz_dataset, resolve_data_root
+from .finetune import FINETUNE_DATA
 from .fusion import FusionMethod, make_fusion_methods
-from .models import ModelSpec, make_spec
+from .models import ModelSpec, build_model, make_spec
 from .partition_cache import PartitionCache
 from .partitions import class_counts, partition_labels, sample_fusion_set
 from .runtime import check_device
@@ -49,6 +51,8 @@ class RunSettings:
     model: str = "mlp"
     mlp_widths: str = "512,512,512"
     vgg_width_multiplier: float = 0.25
+    model_options: str = ""
+    fused_widths: str = ""
     init: str = "independent"
     local_epochs: int = 3
     batch_size: int = 128
@@ -63,6 +67,9 @@ class RunSettings:
     fusion_options: str = ""
     fusion_samples: int = 400
     fusion_source: str = "0"
+    fusion_augment_copies: int = 0
+    fusion_augment_flip: bool = True
+    fusion_augment_padding: int = 4
     test_samples: int = 0
     fusion_data: str = ""
     test_data: str = ""
@@ -72,6 +79,12 @@ class RunSettings:
     max_in_flight: int = 0
     output_dir: str = "outputs"
     site_cache: str = ""
+    finetune_epochs: int = 0
+    finetune_data: str = "fusion-set"
+    finetune_lr: float = 0.0003
+    finetune_min_lr: float = 1e-06
+    finetune_label_smoothing: float = 0.1
+    finetune_restart_epochs: int = 0
     device: str = "auto"
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -85,6 +98,29 @@ class RunSettings:
                 f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
             )
         self.class_groups()
+        if self.fusion_augment_copies < 0 or self.fusion_augment_padding < 0:
+            raise ValueError(
+                "fusion-augment-copies and fusion-augment-padding must be >= 0, got "
+                f"{self.fusion_augment_copies} and {self.fusion_augment_padding}"
+            )
+        if self.finetune_data not in FINETUNE_DATA:
+            raise ValueError(
+                f"finetune-data must be one of {FINETUNE_DATA}, got {self.finetune_data!r}"
+            )
+        if self.finetune_epochs < 0 or self.finetune_restart_epochs < 0:
+            raise ValueError(
+                "finetune-epochs and finetune-restart-epochs must be >= 0, got "
+                f"{self.finetune_epochs} and {self.finetune_restart_epochs}"
+            )
+        if not self.finetune_lr > 0 or not 0 <= self.finetune_min_lr <= self.finetune_lr:
+            raise ValueError(
+                "fine-tuning needs finetune-lr > 0 and 0 <= finetune-min-lr <= finetune-lr, got "
+                f"{self.finetune_lr} and {self.finetune_min_lr}"
+            )
+        if not 0 <= self.finetune_label_smoothing < 1:
+            raise ValueError(
+                f"finetune-label-smoothing must be in [0, 1), got {self.finetune_label_smoothing}"
+            )
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, allow_unknown: bool = False) -> RunSettings:
@@ -100,7 +136,7 @@ class RunSettings:
             default = fields[name].default
             try:
                 values[name] = (
-                    type(default)(value) if not isinstance(default, bool) else bool(value)
+                    _as_bool(value) if isinstance(default, bool) else type(default)(value)
                 )
             except (TypeError, ValueError):
                 raise ValueError(
@@ -145,6 +181,76 @@ class RunSettings:
                 owner[c] = index
         return groups
 
+    def finetune_options(self) -> dict[str, Any]:
+        """The fine-tuning keys (``finetune-*``) of the run, by their short names."""
+        return {
+            "data": self.finetune_data,
+            "epochs": self.finetune_epochs,
+            "lr": self.finetune_lr,
+            "min_lr": self.finetune_min_lr,
+            "label_smoothing": self.finetune_label_smoothing,
+            "restart_epochs": self.finetune_restart_epochs,
+        }
+
+    def finetune_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`fedfuse.finetune.finetune` for this run: the fine-tuning
+        keys, and the sites' recipe for the rest (their optimizer, weight decay, batch size and
+        augmentation, as the paper fine-tunes with the base models' optimizer)."""
+        train = self.train_config()
+        return {
+            "epochs": self.finetune_epochs,
+            "lr": self.finetune_lr,
+            "min_lr": self.finetune_min_lr,
+            "label_smoothing": self.finetune_label_smoothing,
+            "restart_epochs": self.finetune_restart_epochs,
+            "optimizer": train.optimizer,
+            "weight_decay": train.weight_decay,
+            "momentum": train.momentum,
+            "batch_size": train.batch_size,
+            "augment": train.augment,
+            "device": self.device,
+        }
+
+    def fusion_augment_options(self) -> dict[str, Any] | None:
+        """The fusion-set augmentation of the run (None when it has none)."""
+        if not self.fusion_augment_copies:
+            return None
+        return {
+            "copies": self.fusion_augment_copies,
+            "flip": self.fusion_augment_flip,
+            "padding": self.fusion_augment_padding,
+        }
+
+    def augment_label(self) -> str:
+        """``+aug(xN)`` (with ``noflip`` / ``pad=P`` where they differ from the defaults) for a
+        result row whose fusion set was augmented; ``""`` otherwise."""
+        if not self.fusion_augment_copies:
+            return ""
+        parts = [f"x{self.fusion_augment_copies}"]
+        default = RunSettings()
+        if self.fusion_augment_flip != default.fusion_augment_flip:
+            parts.append("flip" if self.fusion_augment_flip else "noflip")
+        if self.fusion_augment_padding != default.fusion_augment_padding:
+            parts.append(f"pad={self.fusion_augment_padding}")
+        return f"+aug({','.join(parts)})"
+
+    def finetune_label(self) -> str:
+        """``+ft(<data>,<E>ep)`` (with the fine-tuning keys that differ from the defaults) for a
+        fine-tuned result; ``""`` when the run does not fine-tune."""
+        if not self.finetune_epochs:
+            return ""
+        parts = [self.finetune_data, f"{self.finetune_epochs}ep"]
+        default = RunSettings()
+        for name, short in (
+            ("finetune_lr", "lr"),
+            ("finetune_min_lr", "min_lr"),
+            ("finetune_label_smoothing", "ls"),
+            ("finetune_restart_epochs", "restart"),
+        ):
+            if getattr(self, name) != getattr(default, name):
+                parts.append(f"{short}={getattr(self, name):g}")
+        return f"+ft({','.join(parts)})"
+
     def train_config(self) -> TrainConfig:
         return TrainConfig(
             epochs=self.local_epochs,
@@ -164,9 +270,11 @@ class RunSettings:
 
     def model_spec_for(self, data: ImageDataset) -> ModelSpec:
         """The configured architecture for ``data``'s input shape and class count."""
-        return make_spec(self.model, data.input_shape, data.num_classes, **self.model_options())
+        return make_spec(
+            self.model, data.input_shape, data.num_classes, **self.architecture_options()
+        )
 
-    def model_options(self) -> dict[str, Any]:
+    def architecture_options(self) -> dict[str, Any]:
         if self.model == "mlp":
             try:
                 widths = tuple(int(w) for w in self.mlp_widths.split(",") if w.strip())
@@ -177,7 +285,37 @@ class RunSettings:
             return {"widths": widths}
         if self.model == "vgg11":
             return {"width_multiplier": self.vgg_width_multiplier}
-        raise ValueError(f"unknown model {self.model!r}; choose mlp or vgg11")
+        if self.model in ("resnet", "vit"):
+            from .fusion.base import parse_options  # local: fusion imports the scenario's data
+
+            try:
+                return parse_options(self.model_options)
+            except ValueError as error:
+                raise ValueError(f"model-options {self.model_options!r}: {error}") from None
+        raise ValueError(f"unknown model {self.model!r}; choose mlp, vgg11, resnet or vit")
+
+    def fused_spec(self, spec: ModelSpec) -> ModelSpec | None:
+        """The fused model's spec for sites of ``spec`` (run key ``fused-widths``): None for the
+        sites' own; ``"0.5x"`` scales every hidden width; ``"w,w,..."`` gives them all."""
+        text = self.fused_widths.strip()
+        if not text:
+            return None
+        try:
+            if text.endswith("x"):
+                scale = float(text[:-1])
+                if not 0 < scale <= 64:
+                    raise ValueError("a scale must be in (0, 64]")
+                widths = [max(1, round(w * scale)) for w in spec.widths]
+            else:
+                widths = [int(w) for w in text.split(",")]
+            target = spec.with_widths(widths)
+            build_model(target, device="meta")
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"fused-widths {text!r} does not fit the sites' {spec.arch} "
+                f"(widths {list(spec.widths)}): {error}"
+            ) from None
+        return None if target == spec else target
 
 
 class Scenario:
@@ -282,10 +420,12 @@ class Scenario:
 
     def fusion_set(self) -> ImageDataset:
         """The server's fusion set: the ``fusion-data`` file when one is given, else sampled
-        from one client's partition (skewed, as in the paper) or from all training data."""
+        from one client's partition (skewed, as in the paper) or from all training data; with
+        ``fusion-augment-copies`` > 0, followed by that many randomly cropped (and flipped)
+        copies of it (:func:`~fedfuse.augmentation.augment_dataset`)."""
         s = self.settings
         if s.fusion_data:
-            return load_npz_dataset(s.fusion_data)
+            return self._augmented(load_npz_dataset(s.fusion_data))
         source: int | str = "all" if s.fusion_source == "all" else int(s.fusion_source)
         if isinstance(source, int) and source >= self.num_clients:
             raise ValueError(
@@ -303,11 +443,34 @@ class Scenario:
             raise ValueError(
                 f"fusion set: {error} (lower fusion-samples, or use more training data)"
             ) from None
-        return self.train_set.subset(index)
+        return self._augmented(self.train_set.subset(index))
+
+    def _augmented(self, fusion_set: ImageDataset) -> ImageDataset:
+        """The fusion set with its ``fusion-augment-copies`` crops and flips appended."""
+        s = self.settings
+        if not s.fusion_augment_copies:
+            return fusion_set
+        augmented = augment_dataset(
+            fusion_set,
+            copies=s.fusion_augment_copies,
+            seed=s.seed + 3,
+            flip=s.fusion_augment_flip,
+            crop_padding=s.fusion_augment_padding,
+        )
+        log.info(
+            "fusion set: %d samples and %d augmented copies (flips %s, crops up to %d px): %d",
+            len(fusion_set),
+            s.fusion_augment_copies,
+            "on" if s.fusion_augment_flip else "off",
+            s.fusion_augment_padding,
+            len(augmented),
+        )
+        return augmented
 
     def model_spec(self) -> ModelSpec:
         """The clients' architecture (sized by the fusion-set file in a deployment)."""
-        reference = self.fusion_set() if self.settings.fusion_data else self.train_set
+        fusion_data = self.settings.fusion_data
+        reference = load_npz_dataset(fusion_data) if fusion_data else self.train_set
         return self.settings.model_spec_for(reference)
 
 
@@ -319,6 +482,35 @@ def client_seed(settings: RunSettings, partition_id: int) -> int:
 def initial_seed(settings: RunSettings) -> int:
     """Seed of the server's initial model (the common start in ``shared`` mode)."""
     return settings.seed * 1000
+
+
+def finetune_seed(settings: RunSettings, partition_id: int | None = None) -> int:
+    """Seed of fine-tuning after fusion: on the fusion set (``partition_id`` None) or on a site."""
+    base = initial_seed(settings) if partition_id is None else client_seed(settings, partition_id)
+    return 1_000_000_007 + base
+
+
+def _as_bool(value: Any) -> bool:
+    """A run-config boolean: a bool, 0/1, or true/false/yes/no/on/off in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+        return _BOOLEAN_WORDS[value.strip().lower()]
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+_BOOLEAN_WORDS = {
+    "true": True,
+    "false": False,
+    "yes": True,
+    "no": False,
+    "on": True,
+    "off": False,
+    "1": True,
+    "0": False,
+}
 
 
 def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,8 @@ def site_set_fields(settings: RunSettings, num_sites: int) -> dict[str, Any]:
         fields.pop("dirichlet_min_max_ratio")
     if settings.partitioner != "sharded":
         fields.pop("sharded_class_groups")
+    if settings.model_options:  # absent when empty, so MLP and VGG keys stay as they were
+        fields["model_options"] = settings.model_options
     fields.update(num_sites=num_sites, version=CACHE_VERSION)
     return fields
 

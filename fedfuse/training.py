@@ -3,7 +3,8 @@ the early-stopping fit that every fusion method which trains uses.
 
 * :func:`make_optimizer` and :func:`make_scheduler` are the only places an optimizer or a
   schedule is built (local training, gradient fitting of neuron interpolation, KD, linear
-  probing, FS-Merge); each name means one thing, below.
+  probing, FS-Merge, post-fusion fine-tuning in :mod:`fedfuse.finetune`); each name means one
+  thing, below.
 * :func:`train` is the sites' recipe: AdamW or SGD with a linear warm-up into cosine decay,
   label smoothing, optional batch-wise crop/flip augmentation, deterministic by seed.
 * :func:`fit_with_early_stopping` minimises a loss over the rows of a fixed set (a fusion set,
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .augmentation import random_crop_flip
 from .capture import predict
 from .data import ImageDataset
 from .runtime import resolve_device
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 #: optimizer names of :func:`make_optimizer`
 OPTIMIZERS = ("adamw", "adam", "sgd")
 #: schedule names of :func:`make_scheduler`
-SCHEDULERS = ("constant", "cosine", "step")
+SCHEDULERS = ("constant", "cosine", "cosine-restarts", "step")
 
 
 def make_optimizer(
@@ -75,6 +77,7 @@ def lr_factor(
     floor: float = 0.0,
     milestones: Sequence[int] = (),
     gamma: float = 0.1,
+    period: int = 0,
 ) -> float:
     r"""The learning-rate multiplier of schedule ``name`` at optimizer step ``step`` (from 0).
 
@@ -82,10 +85,17 @@ def lr_factor(
     * ``"cosine"``: ``(step + 1) / warmup_steps`` during the warm-up, then one half cosine from 1
       down to ``floor`` over the remaining steps,
       :math:`f + (1 - f)\,\tfrac12 (1 + \cos(\pi \min(1, \frac{s - w}{\max(1, T - w)})))`.
+    * ``"cosine-restarts"``: a half cosine from 1 down to ``floor`` over every ``period`` steps,
+      starting again at 1 after each (torch's ``CosineAnnealingWarmRestarts`` with
+      ``T_mult=1``, stepped per batch), :math:`f + (1 - f)\,\tfrac12 (1 + \cos(\pi
+      \frac{s \bmod P}{P}))`; ``period`` 0 means one cycle over ``total_steps``.
     * ``"step"``: ``gamma`` to the power of the number of ``milestones`` reached.
     """
     if name == "constant":
         return 1.0
+    if name == "cosine-restarts":
+        cycle = period if period > 0 else max(1, total_steps)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (step % cycle) / cycle))
     if name == "step":
         return gamma ** sum(step >= m for m in milestones)
     if name != "cosine":
@@ -105,6 +115,7 @@ def make_scheduler(
     floor: float = 0.0,
     milestones: Sequence[int] = (),
     gamma: float = 0.1,
+    period: int = 0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The per-step schedule :func:`lr_factor` ``name``; ``step()`` it after each optimizer step."""
     if name not in SCHEDULERS:
@@ -120,6 +131,7 @@ def make_scheduler(
             floor=floor,
             milestones=milestones,
             gamma=gamma,
+            period=period,
         ),
     )
 
@@ -179,19 +191,7 @@ def iterate_batches(
 
 def _augment(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
     """Random crop (from the zero-padded image) and horizontal flip, drawn per sample."""
-    n, c, h, w = x.shape
-    padded = F.pad(x, (padding,) * 4)
-    rows = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator) + torch.arange(h)
-    cols = torch.randint(0, 2 * padding + 1, (n, 1), generator=generator) + torch.arange(w)
-    out = padded[
-        torch.arange(n)[:, None, None, None],
-        torch.arange(c)[None, :, None, None],
-        rows[:, None, :, None],
-        cols[:, None, None, :],
-    ]
-    flip = torch.rand(n, generator=generator) < 0.5
-    out[flip] = out[flip].flip(-1)
-    return out
+    return random_crop_flip(x, generator, padding=padding)
 
 
 def train(

@@ -2,7 +2,9 @@
 
 Methods fitted on the sites' own data (``kf-sites``, ``hf-sites``) add statistics rounds
 after the train round, one per level, through ``statistics_rounds.FlowerSites`` (query
-messages; the same flow control, timeout and validation as the train round).
+messages; the same flow control, timeout and validation as the train round). Fine-tuning on the
+sites after fusion is one more round, ``finetune_round.SiteFinetuneRound``
+(:meth:`OneShotFusion.finetune_round`), run by the ServerApp once the zero-shot results stand.
 
 The server checks that every listed fusion method can fuse this run (number of sites,
 architecture, inputs) before any site trains, sends every connected site one train message,
@@ -33,6 +35,7 @@ from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.uploads import StoredUpload, UploadStore
 from fedfuse.validation import ContributionError
 
+from .finetune_round import SiteFinetuneRound
 from .replies import decode_reply, describe_sender
 from .statistics_rounds import FlowerSites
 
@@ -74,13 +77,15 @@ def check_methods(
     num_sites: int,
     spec: ModelSpec | None,
     available: Iterable[str] | None = None,
+    target: ModelSpec | None = None,
 ) -> None:
-    """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run."""
+    """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run (into
+    ``target``, the fused model's spec; None: the sites')."""
     available = None if available is None else set(available)
     problems = []
     for method in methods:
         try:
-            method.check_run(num_sites, spec, available)
+            method.check_run(num_sites, spec, available, target)
         except ValueError as error:
             problems.append(str(error))
     if problems:
@@ -136,6 +141,32 @@ def stream_replies(
     return sorted(pending.values()) + unsent + never_sent
 
 
+def replies_by_site(
+    grid: Grid,
+    messages: Sequence[Message],
+    nodes: Sequence[int],
+    timeout: float,
+    on_silent: Callable[[int], None],
+    *,
+    max_in_flight: int = 0,
+) -> Generator[tuple[int, Message], None, None]:
+    """``(site index, reply)`` for each reply of the sites ``nodes`` (as :func:`stream_replies`
+    yields them); ``on_silent(index)`` for each site that never answered. Replies from nodes
+    not asked are dropped."""
+    index_of = {node: index for index, node in enumerate(nodes)}
+    replies = stream_replies(grid, messages, timeout, max_in_flight=max_in_flight)
+    while True:
+        try:
+            reply = next(replies)
+        except StopIteration as done:
+            for node in done.value:
+                on_silent(index_of[node])
+            return
+        index = index_of.get(reply.metadata.src_node_id)
+        if index is not None:
+            yield index, reply
+
+
 class OneShotFusion(Strategy):
     """One round: every site trains and uploads once; the server fuses the uploads.
 
@@ -171,6 +202,7 @@ class OneShotFusion(Strategy):
         before_training: Callable[[int], None] | None = None,
         on_upload: Callable[[StoredUpload], None] | None = None,
         max_in_flight: int = 0,
+        target: Callable[[ModelSpec], ModelSpec | None] | None = None,
     ) -> None:
         if not methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
@@ -184,6 +216,7 @@ class OneShotFusion(Strategy):
         self.before_training = before_training
         self.on_upload = on_upload
         self.max_in_flight = max_in_flight
+        self.target = target
         self.problems: list[str] = []
         self.results: dict[str, FusionResult] = {}
         self.failures: dict[str, MethodFailure] = {}
@@ -210,8 +243,13 @@ class OneShotFusion(Strategy):
         self._grid = grid
         self._sent = wait_for_nodes(grid, self.min_nodes, self.node_wait_timeout)
         self.timings["wait_nodes"] = time.monotonic() - started
+        spec = self.store.expected_spec
         check_methods(
-            self.methods, len(self._sent), self.store.expected_spec, self.available_inputs
+            self.methods,
+            len(self._sent),
+            spec,
+            self.available_inputs,
+            None if self.target is None or spec is None else self.target(spec),
         )
         if self.before_training is not None:
             self.before_training(len(self._sent))
@@ -341,6 +379,22 @@ class OneShotFusion(Strategy):
             max_in_flight=self.max_in_flight,
         )
 
+    def finetune_round(self) -> SiteFinetuneRound:
+        """The fine-tuning round after fusion over the sites whose uploads were fused, each
+        weighted by its upload's sample count."""
+        if self._grid is None:
+            raise RuntimeError("a fine-tuning round needs the grid of a started strategy")
+        entries = self.store.entries
+        return SiteFinetuneRound(
+            self._grid,
+            [self._node_of[e.partition_id] for e in entries],
+            [e.source for e in entries],
+            [e.partition_id for e in entries],
+            [e.num_examples for e in entries],
+            timeout=self._reply_timeout,
+            max_in_flight=self.max_in_flight,
+        )
+
     def fuse(self) -> tuple[ArrayRecord | None, MetricRecord]:
         """Fuse the stored uploads with every method; each failure is kept, not raised.
 
@@ -370,7 +424,8 @@ class OneShotFusion(Strategy):
         for method in self.methods:
             method_started = time.monotonic()
             try:
-                self.results[method.name] = method.fuse(models, inputs)
+                target = None if self.target is None else self.target(models[0].spec)
+                self.results[method.name] = method.fuse(models, inputs, target=target)
             except Exception as error:  # one method's failure must not cost the others
                 seconds = time.monotonic() - method_started
                 self.failures[method.name] = MethodFailure(

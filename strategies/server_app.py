@@ -7,7 +7,11 @@ A run writes, under ``<output-dir>/<run>/``:
 * ``results.json``: ``status`` (``running``, ``ok``, ``partial`` when some methods failed, or
   ``failed`` with the error), the sites, the rejected uploads, per method its options, time,
   details or error, the accuracy table and the time of each phase; rewritten after each phase;
-* ``fused.safetensors`` (the first method that succeeded) and ``fused-<method>.safetensors``.
+* ``fused.safetensors`` (the first method that succeeded) and ``fused-<method>.safetensors``;
+* with ``finetune-epochs`` > 0, ``finetuned-<method>.safetensors``: each fused model fine-tuned
+  after fusion, on the server's fusion set (``finetune-data="fusion-set"``) or on the sites in
+  one more round (``"sites"``, :mod:`.finetune_round`). Its results are the ``finetuned`` entry
+  of ``results.json``, never mixed into ``accuracy`` (the zero-shot fused models).
 
 ``<output-dir>/latest`` points at the newest run. ``flwr run`` exits 0 even when a run fails,
 so check ``status`` (``fedfuse simulate`` does, and exits non-zero).
@@ -29,12 +33,13 @@ from flwr.serverapp import Grid, ServerApp
 from fedfuse import __version__
 from fedfuse.checkpoint import save_checkpoint
 from fedfuse.data import DatasetNotFoundError, ImageDataset
+from fedfuse.finetune import finetune
 from fedfuse.fusion import FusionMethod
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.report import evaluate_fusion, format_accuracy_table, format_level_summary, write_json
 from fedfuse.runtime import configure_logging, seed_everything
-from fedfuse.scenario import RunSettings, Scenario, initial_seed
+from fedfuse.scenario import RunSettings, Scenario, finetune_seed, initial_seed
 from fedfuse.uploads import StoredUpload, UploadStore
 
 from .one_shot import OneShotFusion
@@ -137,6 +142,12 @@ class OneShotRun:
         def before_training(num_sites: int) -> None:
             if "data" in available:  # a fusion set that cannot be built fails now, not later
                 self.fusion_set(0 if settings.fusion_data else num_sites)
+            elif settings.finetune_epochs and settings.finetune_data == "fusion-set":
+                raise ValueError(
+                    "finetune-data='fusion-set' needs the server's fusion set, and this server "
+                    "has neither the training data to sample it nor a fusion-data file; give "
+                    "fusion-data, or fine-tune on the sites (finetune-data='sites')"
+                )
 
         strategy = OneShotFusion(
             self.methods,
@@ -148,6 +159,7 @@ class OneShotRun:
             before_training=before_training,
             on_upload=on_upload,
             max_in_flight=settings.max_in_flight,
+            target=settings.fused_spec,
         )
         try:
             strategy.start(grid, initial, num_rounds=1, timeout=settings.reply_timeout)
@@ -185,6 +197,80 @@ class OneShotRun:
         )
         for name, failure in strategy.failures.items():
             log.error("fusion method %s failed: %s", name, failure.error)
+        if settings.finetune_epochs > 0:
+            self.finetune(strategy, test_set)
+
+    def finetune(self, strategy: OneShotFusion, test_set: ImageDataset) -> None:
+        """Fine-tune every fused model after fusion, evaluate it and save it: the ``finetuned``
+        entry of the report, one per method (a failure is recorded there; the others go on)."""
+        settings = self.settings
+        started = time.monotonic()
+        suffix = settings.finetune_label()
+        self.report["finetuned"] = {}
+        for name, result in strategy.results.items():
+            label = f"{name} {suffix}"
+            entry: dict[str, Any] = {
+                "label": label,
+                "stage": "finetuned",
+                "options": settings.finetune_options(),
+                "status": "running",
+            }
+            self.report["finetuned"][name] = entry
+            method_started = time.monotonic()
+            try:
+                if settings.finetune_data == "sites":
+                    round_ = strategy.finetune_round()
+                    model, details = round_.run(result.model, label)
+                    entry.update(problems=round_.problems, upload_bytes=details["upload_bytes"])
+                else:
+                    data = self.fusion_set(strategy.num_partitions)
+                    model, details = finetune(
+                        result.model,
+                        data.inputs(),
+                        data.labels,
+                        seed=finetune_seed(settings),
+                        description=f"{name} fine-tune",
+                        **settings.finetune_kwargs(),
+                    )
+                scores = evaluate_fusion([model], None, test_set, device=settings.device)
+                path = self.out / f"finetuned-{name}.safetensors"
+                save_checkpoint(
+                    path,
+                    model,
+                    metadata={
+                        "init": settings.init,
+                        "settings": settings.to_config(),
+                        "strategy": name,
+                        "stage": "finetuned",
+                        "label": label,
+                    },
+                )
+                entry.update(
+                    status="ok",
+                    seconds=time.monotonic() - method_started,
+                    accuracy=scores["base"][0],
+                    details=details,
+                    checkpoint=str(path),
+                )
+            except Exception as error:  # the zero-shot results stand; the others go on
+                entry.update(
+                    status="failed",
+                    seconds=time.monotonic() - method_started,
+                    error=f"{type(error).__name__}: {error}",
+                )
+                log.exception("fine-tuning %s failed", label)
+            self.save()
+        self.phases["finetune"] = time.monotonic() - started
+        lines = [
+            f"{e['label']}: "
+            + (
+                f"{e['accuracy']['accuracy'] * 100:.2f}% (loss {e['accuracy']['loss']:.3f})"
+                if e["status"] == "ok"
+                else f"FAILED ({e['error']})"
+            )
+            for e in self.report["finetuned"].values()
+        ]
+        log.info("fine-tuned after fusion (not zero-shot):\n%s", "\n".join(lines))
 
     def _fusions(self, strategy: OneShotFusion) -> dict[str, Any]:
         fusions: dict[str, Any] = {}
@@ -241,10 +327,17 @@ def main(grid: Grid, context: Context) -> None:
     except Exception as error:
         _fail(report, error, out, started, run)
         raise
-    failed = [name for name, f in report["fusions"].items() if f["status"] != "ok"]
+    failed = [
+        f"{name}: {f.get('error')}" for name, f in report["fusions"].items() if f["status"] != "ok"
+    ]
+    failed += [
+        f"{f['label']}: {f.get('error')}"
+        for f in report.get("finetuned", {}).values()
+        if f["status"] != "ok"
+    ]
     report["status"] = "partial" if failed else "ok"
     if failed:
-        report["error"] = "; ".join(f"{n}: {report['fusions'][n].get('error')}" for n in failed)
+        report["error"] = "; ".join(failed)
     report["wall_seconds"] = time.monotonic() - started
     run.save()
     log.info("results written to %s", out / "results.json")

@@ -74,7 +74,7 @@ class FlowerSites:
         return self._problems
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
-        from .one_shot import stream_replies  # one module for the streaming of replies
+        from .one_shot import replies_by_site  # one module for the streaming of replies
 
         started = time.monotonic()
         view = affine_view(request.fused.levels[request.level])
@@ -87,21 +87,16 @@ class FlowerSites:
             )
             for index, node in enumerate(self.nodes)
         ]
-        index_of = {node: index for index, node in enumerate(self.nodes)}
         answers: list[SiteStatistics | None] = [None] * len(self.nodes)
-        replies = stream_replies(
-            self.grid, messages, self.timeout, max_in_flight=self.max_in_flight
+        replies = replies_by_site(
+            self.grid,
+            messages,
+            self.nodes,
+            self.timeout,
+            lambda index: self._note(index, "no statistics before the reply timeout"),
+            max_in_flight=self.max_in_flight,
         )
-        while True:
-            try:
-                reply = next(replies)
-            except StopIteration as done:
-                for node in done.value:
-                    self._note(index_of[node], "no statistics before the reply timeout")
-                break
-            index = index_of.get(reply.metadata.src_node_id)
-            if index is None:
-                continue
+        for index, reply in replies:
             answers[index] = self._decode(reply, index, request, view.fan_in)
         self.rounds.append({"level": request.level, "seconds": time.monotonic() - started})
         log.info(

@@ -220,21 +220,28 @@ def test_library_sweep_trains_each_site_set_once_and_resumes(tmp_path, monkeypat
 
 @pytest.mark.e2e
 def test_flower_runner_gives_the_library_runners_rows(tmp_path):
+    """Zero-shot and fine-tuned on the sites (the Flower round against its in-process twin)."""
     common = [*TINY, "sites=2", "method=kf-linear", "seed=0", "partition=dirichlet"]
+    common += ["finetune=sites", "finetune.epochs=1"]
     assert compare.main([*common, f"output_dir={tmp_path / 'lib'}"]) == 0
     assert compare.main([*common, "runner=flower", f"output_dir={tmp_path / 'flwr'}"]) == 0
-    (library,) = _rows(tmp_path / "lib" / "default").values()
-    (flower,) = _rows(tmp_path / "flwr" / "default").values()
-    assert flower["status"] == "ok", flower["error"]
-    assert flower["runner"] == "flower" and library["runner"] == "library"
-    for key in (
-        "accuracy",
-        "loss",
-        "base_accuracies",
-        "ensemble_accuracy",
-        "upload_bytes_per_site",
-    ):
-        assert flower[key] == pytest.approx(library[key], abs=1e-9), key
+    library = {r["stage"]: r for r in _rows_list(tmp_path / "lib" / "default")}
+    flower = {r["stage"]: r for r in _rows_list(tmp_path / "flwr" / "default")}
+    assert sorted(flower) == sorted(library) == ["finetuned", "zero-shot"]
+    for stage in ("zero-shot", "finetuned"):
+        assert flower[stage]["status"] == "ok", flower[stage]["error"]
+        assert flower[stage]["runner"] == "flower" and library[stage]["runner"] == "library"
+        assert flower[stage]["label"] == library[stage]["label"]
+        for key in (
+            "accuracy",
+            "loss",
+            "base_accuracies",
+            "ensemble_accuracy",
+            "upload_bytes_per_site",
+        ):
+            assert flower[stage][key] == pytest.approx(library[stage][key], abs=1e-6), key
+        assert flower[stage]["round_upload_bytes"] == library[stage]["round_upload_bytes"]
+    assert len(flower["finetuned"]["round_upload_bytes"]) == 1  # the sites' fine-tuned models
 
 
 def test_composed_config_records_in_the_row(tmp_path):
@@ -244,3 +251,91 @@ def test_composed_config_records_in_the_row(tmp_path):
     settings = RunSettings.from_config(row["settings"])
     assert settings.mlp_widths == "32,32" and settings.local_epochs == 4
     assert OmegaConf.create(row["options"]) is not None
+
+
+# ------------------------------------------------------------- fine-tuning and augmentation
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["finetune=sites", "finetune.lr=0.001", "finetune.restart_epochs=2"],
+        ["finetune=fusion-set", "fusion_set.augment_copies=3", "fusion_set.augment_flip=false"],
+        ["fusion_set=balanced", "fusion_set.augment_copies=1", "fusion_set.augment_padding=2"],
+    ],
+)
+def test_finetune_and_augmentation_keys_round_trip(overrides):
+    settings = settings_from_config(compose(overrides))
+    assert settings.finetune_epochs > 0 or settings.fusion_augment_copies > 0
+    assert settings_from_config(compose(overrides_from_settings(settings))) == settings
+    assert RunSettings.from_config(settings.to_config()) == settings
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['finetune.epochz'\]"):
+        settings_from_config(compose([*overrides, "+finetune.epochz=3"]))
+
+
+def test_row_ids_of_augmented_and_fine_tuned_rows():
+    settings, kf = RunSettings(), make_fusion_method("kf-linear")
+    plain = compare.row_id(settings, 2, kf, "library")
+    tuned = dataclasses.replace(settings, finetune_epochs=5)
+    assert compare.row_id(tuned, 2, kf, "library") == plain  # the zero-shot row is shared
+    ft = compare.row_id(tuned, 2, kf, "library", "finetuned")
+    assert ft.startswith("kf-linear-ft-") and ft != plain
+    on_sites = dataclasses.replace(tuned, finetune_data="sites")
+    assert compare.row_id(on_sites, 2, kf, "library", "finetuned") != ft
+    augmented = dataclasses.replace(settings, fusion_augment_copies=2)
+    assert compare.row_id(augmented, 2, kf, "library") != plain
+
+
+def test_a_fine_tuning_job_writes_a_zero_shot_and_a_fine_tuned_row(tmp_path, monkeypatch):
+    from fedfuse.experiments.sweep_rows import load_sweep, summarize
+
+    common = [*TINY, "method=kf-linear", f"output_dir={tmp_path}"]
+    assert compare.main([*common, "finetune=fusion-set", "finetune.epochs=2"]) == 0
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "default/rows").glob("*.json"))]
+    by_stage = {r["stage"]: r for r in rows}
+    assert sorted(by_stage) == ["finetuned", "zero-shot"] and len(rows) == 2
+    zero, tuned = by_stage["zero-shot"], by_stage["finetuned"]
+    assert zero["label"] == "kf-linear" and tuned["label"] == "kf-linear +ft(fusion-set,2ep)"
+    assert zero["status"] == tuned["status"] == "ok"
+    assert tuned["zero_shot_row_id"] == zero["row_id"] and tuned["row_id"] != zero["row_id"]
+    assert tuned["finetune"]["epochs"] == 2 and "finetune" not in zero
+    assert zero["settings"]["finetune-epochs"] == 0  # the zero-shot row is the same for all
+    assert tuned["finetune_details"]["loss_after"] < tuned["finetune_details"]["loss_before"]
+    assert tuned["base_accuracies"] == zero["base_accuracies"] and tuned["finetune_seconds"] > 0
+    assert (tmp_path / "default" / tuned["fused_checkpoint"]).is_file()
+
+    # on the sites, a finished zero-shot row is reused: no fusion, one more round of uploads
+    def no_fusion(*args):
+        raise AssertionError("the zero-shot row was done; nothing should fuse again")
+
+    monkeypatch.setattr(compare, "_fuse_library", no_fusion)
+    assert compare.main([*common, "finetune=sites", "finetune.epochs=1"]) == 0
+    rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "default/rows").glob("*.json"))]
+    sites = next(r for r in rows if r["label"] == "kf-linear +ft(sites,1ep)")
+    assert sites["status"] == "ok", sites["error"]
+    assert len(sites["round_upload_bytes"]) == 1 and len(sites["round_upload_bytes"][0]) == 2
+    assert len(sites["finetune_details"]["sites"]) == 2
+
+    # the report keeps the three rows apart, zero-shot first
+    summary = [r for r in summarize(load_sweep(tmp_path / "default").rows) if not r.reference]
+    assert [(r.label, r.stage) for r in summary] == [
+        ("kf-linear", "zero-shot"),
+        ("kf-linear +ft(fusion-set,2ep)", "finetuned"),
+        ("kf-linear +ft(sites,1ep)", "finetuned"),
+    ]
+
+
+def test_an_augmented_fusion_set_is_a_row_of_its_own(tmp_path):
+    common = [*TINY, "method=kf-linear", f"output_dir={tmp_path}"]
+    assert compare.main(common) == 0
+    assert (
+        compare.main([*common, "fusion_set.augment_copies=2", "fusion_set.augment_padding=1"]) == 0
+    )
+    rows = {r["label"]: r for r in _rows_list(tmp_path / "default")}
+    assert sorted(rows) == ["kf-linear", "kf-linear +aug(x2,pad=1)"]
+    augmented = rows["kf-linear +aug(x2,pad=1)"]
+    assert augmented["stage"] == "zero-shot" and augmented["status"] == "ok"
+    assert augmented["fusion_augment"] == {"copies": 2, "flip": True, "padding": 1}
+    assert rows["kf-linear"]["fusion_augment"] is None
+
+
+def _rows_list(sweep: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((sweep / "rows").glob("*.json"))]

@@ -184,11 +184,13 @@ def test_a_failed_run_exits_non_zero_and_records_the_error(tmp_path):
 
 def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_path):
     """Real ClientApps (tests/apps/faulty): site 1 raises mid-round, site 2 sleeps far past the
-    reply timeout; sites 0 and 3 are fused, and both faulty sites are named in the results."""
+    reply timeout; sites 0 and 3 are fused, and both faulty sites are named in the results.
+    Then each fused model is fine-tuned on the sites in one more round, where site 3 crashes:
+    it is named, and the round averages site 0's model alone."""
     started = time.monotonic()
     completed, out, _ = _simulate(
         tmp_path,
-        "min-nodes=2 reply-timeout=45.0",
+        "min-nodes=2 reply-timeout=45.0 finetune-epochs=1 finetune-data='sites'",
         app=REPO / "tests" / "apps" / "faulty",
         num_clients=4,
         grace=5,
@@ -211,6 +213,19 @@ def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_pa
         "client_3.safetensors",
     ]
     assert "fused: kf-linear" in completed.stdout
+    # the fine-tuning round: reported apart from the zero-shot results, site 3 named
+    assert set(report["accuracy"]["fused"]) == {"kf-linear", "fedavg"}
+    tuned = report["finetuned"]["kf-linear"]
+    assert tuned["status"] == "ok" and tuned["label"] == "kf-linear +ft(sites,1ep)"
+    assert tuned["details"]["sites"] == [0] and list(tuned["upload_bytes"]) == ["0"]
+    assert any(
+        p.startswith("client 3 (node")
+        and "fine-tuning round: the client failed: site 3 crashed in the fine-tuning round" in p
+        for p in tuned["problems"]
+    ), tuned["problems"]
+    assert 0.0 <= tuned["accuracy"]["accuracy"] <= 1.0
+    assert Path(tuned["checkpoint"]).name == "finetuned-kf-linear.safetensors"
+    assert "kf-linear +ft(sites,1ep)" in completed.stdout
 
 
 def test_a_site_failing_a_statistics_round_is_named_and_the_fusion_goes_on(tmp_path):

@@ -10,6 +10,17 @@ Rerunning the same command resumes: a job whose row is already ``ok`` is skipped
 already trained (even partly) is loaded. ``runner=library`` runs in this process;
 ``runner=flower`` runs each job as a real ``fedfuse simulate`` (``flwr run``) whose sites read
 the same site-set cache. ``fedfuse report <sweep dir>`` turns the rows into tables and plots.
+
+The paper's optional steps have rows of their own, never mixed into the zero-shot numbers:
+
+* ``finetune=fusion-set`` or ``finetune=sites`` (``finetune.epochs`` > 0): the job writes its
+  zero-shot row (``stage: "zero-shot"``, the same row a job without fine-tuning writes) and a
+  second row (``stage: "finetuned"``) for the fused model fine-tuned on the server's fusion set
+  or on the sites in one more round, labelled ``<method> +ft(<data>,<E>ep)``. When the zero-shot
+  row is already there with its fused checkpoint, only the fine-tuning runs.
+* ``fusion_set.augment_copies=N``: the method fuses with a fusion set expanded by ``N`` cropped
+  and flipped copies; a different row (its id covers the augmentation), labelled
+  ``<method> +aug(xN)``.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,24 +42,33 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from ..checkpoint import save_checkpoint
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import NON_RESULT_OPTIONS, method_from_config, method_label, settings_from_config
+from ..finetune import average_models, finetune, state_bytes
 from ..fusion import FusionInputs, FusionMethod
 from ..fusion.site_statistics import LocalSites, statistics_round_bytes
 from ..report import evaluate_fusion, write_json
-from ..scenario import RunSettings, Scenario
+from ..scenario import RunSettings, Scenario, finetune_seed
 from ..site_cache import SiteCache, site_set_key
 
 log = logging.getLogger("fedfuse.experiments.compare")
 
 ROW_FORMAT = "fedfuse-compare-row/1"
+#: a row's stage: the fused model as fused, or fine-tuned after fusion
+STAGES = ("zero-shot", "finetuned")
 #: run-config keys that pick the data a fusion set or test set is drawn from
 _ROW_FIELDS = ("score_method", "fusion_samples", "fusion_source", "fusion_data", "test_samples")
 
 
-def row_id(settings: RunSettings, sites: int, method: FusionMethod, runner: str) -> str:
+def row_id(
+    settings: RunSettings, sites: int, method: FusionMethod, runner: str, stage: str = "zero-shot"
+) -> str:
     """A stable digest of everything that determines a row (site set, scores, fusion and test
-    sets, the method and its result-changing options, the runner)."""
+    sets with any augmentation, the method and its result-changing options, the runner, and for
+    a fine-tuned row the fine-tuning keys). Rows without augmentation keep the ids they had
+    before augmentation existed; a fine-tuned row's id reads ``<method>-ft-<digest>``."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     options = {k: v for k, v in method.options().items() if k not in NON_RESULT_OPTIONS}
     preimage = {
         "site_set": site_set_key(settings, sites),
@@ -57,8 +77,35 @@ def row_id(settings: RunSettings, sites: int, method: FusionMethod, runner: str)
         "options": options,
         "runner": runner,
     }
+    augment = settings.fusion_augment_options()
+    if augment is not None:
+        preimage["fusion_augment"] = augment
+    if settings.fused_widths.strip():  # absent by default: earlier rows keep their ids
+        preimage["fused_widths"] = settings.fused_widths.strip()
+    prefix = method.name
+    if stage == "finetuned":
+        preimage["finetune"] = settings.finetune_options()
+        prefix += "-ft"
     digest = hashlib.sha256(json.dumps(preimage, sort_keys=True, default=str).encode())
-    return f"{method.name}-{digest.hexdigest()[:12]}"
+    return f"{prefix}-{digest.hexdigest()[:12]}"
+
+
+def _without_finetuning(settings: RunSettings) -> RunSettings:
+    """``settings`` with the fine-tuning keys at their defaults (what a zero-shot row records:
+    the same whichever job wrote it)."""
+    default = RunSettings()
+    names = [f.name for f in fields(RunSettings) if f.name.startswith("finetune_")]
+    return replace(settings, **{name: getattr(default, name) for name in names})
+
+
+@dataclass
+class Outcome:
+    """What a runner produced: the zero-shot row's fields (None: the row already there stands)
+    and, when the job fine-tunes, the fine-tuned row's fields or the error that stopped it."""
+
+    zero_shot: dict[str, Any] | None
+    finetuned: dict[str, Any] | None = None
+    finetune_error: str | None = None
 
 
 class Job:
@@ -76,22 +123,43 @@ class Job:
         self.cache = SiteCache(cache_dir)
         settings = settings_from_config(cfg)
         self.settings = replace(settings, site_cache=str(self.cache.root))
+        self.finetunes = self.settings.finetune_epochs > 0
         self.id = row_id(self.settings, self.sites, self.method, self.runner)
         self.row_path = self.sweep_dir / "rows" / f"{self.id}.json"
+        self.ft_id = (
+            row_id(self.settings, self.sites, self.method, self.runner, "finetuned")
+            if self.finetunes
+            else None
+        )
+        self.ft_row_path = self.sweep_dir / "rows" / f"{self.ft_id}.json" if self.ft_id else None
         self.site_set_dir = self.cache.directory(self.settings, self.sites)
+        augment = self.settings.augment_label()
+        self.label = method_label(self.method) + (f" {augment}" if augment else "")
+        self.ft_label = f"{self.label} {self.settings.finetune_label()}"
+
+    @staticmethod
+    def _read_ok(path: Path | None) -> dict[str, Any] | None:
+        try:
+            row = json.loads(path.read_text()) if path is not None else None
+        except (OSError, json.JSONDecodeError):
+            return None
+        return row if isinstance(row, dict) and row.get("status") == "ok" else None
+
+    def zero_shot_row(self) -> dict[str, Any] | None:
+        """The job's zero-shot row when it exists and succeeded."""
+        return self._read_ok(self.row_path)
 
     def done(self) -> bool:
-        """Whether this job's row exists and succeeded (a rerun skips it)."""
-        try:
-            return json.loads(self.row_path.read_text()).get("status") == "ok"
-        except (OSError, json.JSONDecodeError):
-            return False
+        """Whether this job's rows (zero-shot, and fine-tuned when it fine-tunes) exist and
+        succeeded (a rerun skips it)."""
+        rows_ok = self._read_ok(self.row_path) is not None
+        return rows_ok and (not self.finetunes or self._read_ok(self.ft_row_path) is not None)
 
-    def base_row(self) -> dict[str, Any]:
-        s = self.settings
-        return {
+    def base_row(self, stage: str = "zero-shot") -> dict[str, Any]:
+        s = self.settings if stage == "finetuned" else _without_finetuning(self.settings)
+        row = {
             "format": ROW_FORMAT,
-            "row_id": self.id,
+            "row_id": self.id if stage == "zero-shot" else self.ft_id,
             "status": "running",
             "error": None,
             "experiment": str(self.cfg.name),
@@ -102,14 +170,19 @@ class Job:
             "seed": s.seed,
             "scores": s.score_method,
             "method": self.method.name,
-            "label": method_label(self.method),
+            "label": self.label if stage == "zero-shot" else self.ft_label,
             "kind": self.method.kind,
+            "stage": stage,
+            "fusion_augment": s.fusion_augment_options(),
             "options": self.method.options(),
             "runner": self.runner,
             "site_set_dir": str(self.site_set_dir),
             "fused_checkpoint": None,
             "settings": {k: v for k, v in s.to_config().items() if k != "site-cache"},
         }
+        if stage == "finetuned":
+            row.update(zero_shot_row_id=self.id, finetune=s.finetune_options())
+        return row
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -123,31 +196,52 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         log.info("%s: already done (%s), skipped", job.id, job.row_path)
         return json.loads(job.row_path.read_text())
     row = job.base_row()
+    ft_row = job.base_row("finetuned") if job.finetunes else None
     started = time.perf_counter()
     try:
         scenario = Scenario(job.settings, job.sites)
-        job.method.check_run(job.sites, scenario.model_spec())
+        spec = scenario.model_spec()
+        job.method.check_run(job.sites, spec, target=job.settings.fused_spec(spec))
         runner = _run_library if job.runner == "library" else _run_flower
-        row.update(runner(job, scenario))
-        row["status"] = "ok"
+        outcome = runner(job, scenario)
+        if outcome.zero_shot is None:  # kept from an earlier run; only the fine-tuning ran
+            row = job.zero_shot_row() or row
+        else:
+            row.update(outcome.zero_shot, status="ok")
+        if ft_row is not None:
+            if outcome.finetuned is not None:
+                ft_row.update(outcome.finetuned, status="ok")
+            else:
+                ft_row.update(status="failed", error=outcome.finetune_error or "not run")
     except Exception as error:  # a failed job is a row, the sweep goes on
         log.exception("%s failed", job.id)
-        row.update(status="failed", error=f"{type(error).__name__}: {error}")
-    row["seconds"] = time.perf_counter() - started
-    row["finished_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    write_json(job.row_path, row)
-    log.info(
-        "%s: %s %s",
-        job.id,
-        row["status"],
-        f"accuracy {row['accuracy']:.4f}" if row.get("accuracy") is not None else row["error"],
-    )
+        outcome = None
+        for failed in (row, ft_row):
+            if failed is not None:
+                failed.update(status="failed", error=f"{type(error).__name__}: {error}")
+    seconds = time.perf_counter() - started
+    finished = datetime.now(UTC).isoformat(timespec="seconds")
+    written = [] if outcome is not None and outcome.zero_shot is None else [(job.row_path, row)]
+    if ft_row is not None:
+        written.append((job.ft_row_path, ft_row))
+    for path, document in written:
+        document.update(seconds=seconds, finished_at=finished)
+        write_json(path, document)
+        log.info(
+            "%s: %s %s",
+            document["row_id"],
+            document["status"],
+            f"accuracy {document['accuracy']:.4f}"
+            if document.get("accuracy") is not None
+            else document["error"],
+        )
     return row
 
 
 # ----------------------------------------------------------------------------- library runner
-def _run_library(job: Job, scenario: Scenario) -> dict[str, Any]:
-    """Train (or load) the sites in-process, fuse with the job's method, evaluate."""
+def _run_library(job: Job, scenario: Scenario) -> Outcome:
+    """Train (or load) the sites in-process, fuse with the job's method, evaluate; then, when
+    the job fine-tunes, fine-tune the fused model and evaluate that too."""
     from ..clients.site import train_site  # the sites' own code path, as the ClientApp runs it
 
     settings = replace(job.settings, strategy=job.method.name)
@@ -160,6 +254,39 @@ def _run_library(job: Job, scenario: Scenario) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)  # train_site caps threads as a Flower client would
     models = [upload.model for upload in uploads]
+    evaluation = _site_set_evaluation(job, scenario, models, uploads)
+    reused = _zero_shot_model(job) if job.finetunes else None
+    if reused is not None:
+        fused, zero_shot = reused
+        base = {k: zero_shot.get(k) for k in ("fusion_seconds", "round_upload_bytes")}
+        outcome = Outcome(None)
+    else:
+        fused, base = _fuse_library(job, scenario, settings, models, uploads)
+        row = _evaluation_fields(evaluation)
+        test = evaluate_fusion([fused], None, scenario.test_set, device=settings.device)
+        row.update(
+            accuracy=test["base"][0]["accuracy"],
+            loss=test["base"][0]["loss"],
+            upload_bytes_per_site=[u.payload_bytes() for u in uploads],
+            **base,
+        )
+        if job.cfg.save_models:
+            row["fused_checkpoint"] = _save_model(job, fused, job.id, job.label)
+        outcome = Outcome(row)
+    if not job.finetunes:
+        return outcome
+    try:
+        outcome.finetuned = _finetune_library(job, scenario, fused, uploads, evaluation, base)
+    except Exception as error:  # the zero-shot row stands; the fine-tuned row names the error
+        log.exception("%s: fine-tuning failed", job.ft_id)
+        outcome.finetune_error = f"{type(error).__name__}: {error}"
+    return outcome
+
+
+def _fuse_library(
+    job: Job, scenario: Scenario, settings: RunSettings, models, uploads
+) -> tuple[Any, dict[str, Any]]:
+    """The job's method fused over the sites; the fused model and the row's fusion fields."""
     needs = job.method.needs() if hasattr(job.method, "needs") else None
     fusion_set = scenario.fusion_set() if needs is None or needs & {"data", "labels"} else None
     available = {
@@ -174,25 +301,90 @@ def _run_library(job: Job, scenario: Scenario) -> dict[str, Any]:
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
         available["sites"] = LocalSites(models, site_inputs, device=settings.device)
     inputs = FusionInputs(**{k: v for k, v in available.items() if needs is None or k in needs})
-    result = job.method.fuse(models, inputs)
-    evaluation = _site_set_evaluation(job, scenario, models, uploads)
-    fused = evaluate_fusion([result.model], None, scenario.test_set, device=settings.device)
+    result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
+    return result.model, {
+        "fusion_seconds": result.seconds,
+        "round_upload_bytes": statistics_round_bytes(result.details, job.sites),
+        "details": _json_safe(result.details),
+    }
+
+
+def _zero_shot_model(job: Job) -> tuple[Any, dict[str, Any]] | None:
+    """The fused model and row of an earlier run of this job's zero-shot row, when both are
+    there (a job that adds fine-tuning to a finished sweep then only fine-tunes)."""
+    row = job.zero_shot_row()
+    if row is None or not row.get("fused_checkpoint"):
+        return None
+    path = job.sweep_dir / row["fused_checkpoint"]
+    try:
+        model = load_checkpoint(path).model
+    except (CheckpointError, OSError, ValueError) as error:
+        log.warning("%s: cannot reuse the fused model %s (%s); fusing again", job.id, path, error)
+        return None
+    log.info("%s: zero-shot row done, fine-tuning its fused model %s", job.id, path)
+    return model, row
+
+
+def _finetune_library(
+    job: Job,
+    scenario: Scenario,
+    fused,
+    uploads,
+    evaluation: dict[str, Any],
+    base: dict[str, Any],
+) -> dict[str, Any]:
+    """The fine-tuned row's fields: ``fused`` fine-tuned on the fusion set, or on every site
+    in-process and averaged (what the Flower round does), then evaluated."""
+    from ..clients.site import finetune_site
+
+    s = job.settings
+    started = time.perf_counter()
+    rounds = list(base.get("round_upload_bytes") or [])
+    if s.finetune_data == "fusion-set":
+        fusion_set = scenario.fusion_set()
+        model, details = finetune(
+            fused,
+            fusion_set.inputs(),
+            fusion_set.labels,
+            seed=finetune_seed(s),
+            description=f"{job.ft_id} fine-tune",
+            **s.finetune_kwargs(),
+        )
+    else:
+        threads = torch.get_num_threads()
+        try:
+            tuned = [finetune_site(s, fused, pid, job.sites) for pid in range(job.sites)]
+        finally:
+            torch.set_num_threads(threads)
+        weights = [t.num_examples for t in tuned]
+        model = average_models([t.model for t in tuned], weights, like=fused)
+        details = {
+            "weights": [w / sum(weights) for w in weights],
+            "sites": [t.details for t in tuned],
+        }
+        rounds.append([state_bytes(t.model) for t in tuned])
+    seconds = time.perf_counter() - started
+    test = evaluate_fusion([model], None, scenario.test_set, device=s.device)["base"][0]
     row = _evaluation_fields(evaluation)
     row.update(
-        accuracy=fused["base"][0]["accuracy"],
-        loss=fused["base"][0]["loss"],
-        fusion_seconds=result.seconds,
+        accuracy=test["accuracy"],
+        loss=test["loss"],
+        fusion_seconds=base.get("fusion_seconds"),
+        finetune_seconds=seconds,
         upload_bytes_per_site=[u.payload_bytes() for u in uploads],
-        round_upload_bytes=statistics_round_bytes(result.details, job.sites),
-        details=_json_safe(result.details),
+        round_upload_bytes=rounds,
+        details={},
+        finetune_details=_json_safe(details),
     )
     if job.cfg.save_models:
-        path = job.sweep_dir / "fused" / f"{job.id}.safetensors"
-        save_checkpoint(
-            path, result.model, metadata={"row_id": job.id, "label": method_label(job.method)}
-        )
-        row["fused_checkpoint"] = str(path.relative_to(job.sweep_dir))
+        row["fused_checkpoint"] = _save_model(job, model, job.ft_id, job.ft_label)
     return row
+
+
+def _save_model(job: Job, model, row: str, label: str) -> str:
+    path = job.sweep_dir / "fused" / f"{row}.safetensors"
+    save_checkpoint(path, model, metadata={"row_id": row, "label": label})
+    return str(path.relative_to(job.sweep_dir))
 
 
 def _site_set_evaluation(job: Job, scenario: Scenario, models, uploads) -> dict[str, Any]:
@@ -232,10 +424,11 @@ def _json_safe(value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ flower runner
-def _run_flower(job: Job, scenario: Scenario) -> dict[str, Any]:
-    """Run the job as a real ``fedfuse simulate`` (``flwr run``) and read its results file."""
+def _run_flower(job: Job, scenario: Scenario) -> Outcome:
+    """Run the job as a real ``fedfuse simulate`` (``flwr run``) and read its results file
+    (the fine-tuned model, when the job fine-tunes, is its ``finetuned`` entry)."""
     del scenario
-    out = job.sweep_dir / "flower" / job.id
+    out = job.sweep_dir / "flower" / (job.ft_id or job.id)
     config = {
         k: v for k, v in job.settings.to_config().items() if k not in ("output-dir", "min-nodes")
     }
@@ -263,7 +456,10 @@ def _run_flower(job: Job, scenario: Scenario) -> dict[str, Any]:
         raise RuntimeError(f"fedfuse simulate wrote no results (exit {process.returncode})")
     report = json.loads(results.read_text())
     fusion = report.get("fusions", {}).get(job.method.name, {})
-    if process.returncode != 0 or fusion.get("status") != "ok":
+    tuned = report.get("finetuned", {}).get(job.method.name) if job.finetunes else None
+    finetune_failed = tuned is not None and tuned.get("status") != "ok"
+    # a failed fine-tuning makes the run "partial" (exit 1) but leaves the zero-shot row good
+    if (process.returncode != 0 and not finetune_failed) or fusion.get("status") != "ok":
         raise RuntimeError(
             f"fedfuse simulate exit {process.returncode}: "
             f"{fusion.get('error') or report.get('error') or 'see ' + str(results)}"
@@ -284,7 +480,30 @@ def _run_flower(job: Job, scenario: Scenario) -> dict[str, Any]:
     )
     if fusion.get("checkpoint"):
         row["fused_checkpoint"] = os.path.relpath(fusion["checkpoint"], job.sweep_dir)
-    return row
+    outcome = Outcome(row)
+    if not job.finetunes:
+        return outcome
+    if tuned is None or tuned.get("status") != "ok":
+        outcome.finetune_error = (tuned or {}).get("error") or f"no fine-tuned model in {results}"
+        return outcome
+    rounds = list(row["round_upload_bytes"])
+    if tuned.get("upload_bytes"):
+        rounds.append([int(tuned["upload_bytes"].get(str(p), 0)) for p in range(job.sites)])
+    outcome.finetuned = {
+        **_evaluation_fields(accuracy),
+        "accuracy": tuned["accuracy"]["accuracy"],
+        "loss": tuned["accuracy"]["loss"],
+        "fusion_seconds": fusion["seconds"],
+        "finetune_seconds": tuned["seconds"],
+        "upload_bytes_per_site": row["upload_bytes_per_site"],
+        "round_upload_bytes": rounds,
+        "details": {},
+        "finetune_details": tuned.get("details", {}),
+        "flower_results": row["flower_results"],
+    }
+    if tuned.get("checkpoint"):
+        outcome.finetuned["fused_checkpoint"] = os.path.relpath(tuned["checkpoint"], job.sweep_dir)
+    return outcome
 
 
 # --------------------------------------------------------------------------------- entry point

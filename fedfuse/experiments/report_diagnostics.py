@@ -133,13 +133,18 @@ def choose_landscape_rows(
     notes = []
     if method is None:
         means: dict[str, list[float]] = defaultdict(list)
-        for r in usable:
-            if r["kind"] == "fusion":
+        for r in usable:  # zero-shot fusion rows (not the fine-tuned ones)
+            if r["kind"] == "fusion" and r.get("stage", "zero-shot") == "zero-shot":
                 means[r["label"]].append(float(r["accuracy"]))
         if not means:
             return [], ["landscapes: no ok fusion row with a fused checkpoint and >= 2 sites"]
         method = max(sorted(means), key=lambda label: statistics.fmean(means[label]))
-    chosen = [r for r in usable if method in (r.get("method"), r["label"])]
+    chosen = [r for r in usable if r["label"] == method]
+    chosen = chosen or [
+        r
+        for r in usable
+        if r.get("method") == method and r.get("stage", "zero-shot") == "zero-shot"
+    ]
     if not chosen:
         return [], [f"landscapes: no ok row of method {method!r} with a fused checkpoint"]
     picked = [group[0] for group in _configurations(chosen).values()]

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_path
-from .sweep_rows import ENSEMBLE_LABEL, NO_STD, Stat, SummaryRow, Sweep, series_name
+from .sweep_rows import (
+    ENSEMBLE_LABEL,
+    FINETUNED,
+    NO_STD,
+    Stat,
+    SummaryRow,
+    Sweep,
+    series_name,
+)
 
 
 def human_bytes(count: float | None) -> str:
@@ -63,7 +71,7 @@ def _wide(
     series: dict[tuple, dict[int, SummaryRow]] = {}
     for row in rows:
         if references or not row.reference:
-            key = (row.label, row.scores, row.kind, row.runner)
+            key = (row.label, row.scores, row.kind, row.runner, row.stage)
             series.setdefault(key, {})[row.sites] = row
     lines = []
     for cells in series.values():
@@ -95,18 +103,29 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
         sites, body = _wide(rows, lambda r: format_stat(r.accuracy, failed=r.failed))
         header = ["method", "scores", "kind", *(f"{s} sites" for s in sites)]
         lines += markdown_table(header, body, "lll" + "r" * len(sites))
+        if any(r.stage == FINETUNED for r in rows):
+            lines += [
+                "",
+                "Rows labelled `+ft(<data>,<E>ep)` are fused models fine-tuned after fusion "
+                "(on the fusion set, or on the sites in one more round); every other row is "
+                "zero-shot.",
+            ]
         lines += [
             "",
             "Fusion time (s) and upload per site, mean ± sample std over seeds (the train "
-            "round's upload, then any statistics rounds: their count × a site's largest one):",
+            "round's upload, then any further rounds, statistics or site fine-tuning: their "
+            "count × a site's largest one; `+ ft` is the fine-tuning time):",
             "",
         ]
 
         def cost(r: SummaryRow) -> str:
             if r.seconds.mean is None:
                 return "failed" if r.failed else NO_STD
-            cell = f"{format_stat(r.seconds, count=False)} s · {human_bytes(r.upload.mean)}"
-            if r.rounds:  # statistics rounds after the train round: their count and largest
+            cell = f"{format_stat(r.seconds, count=False)} s"
+            if r.finetune_seconds.mean is not None:
+                cell += f" + ft {format_stat(r.finetune_seconds, count=False)} s"
+            cell += f" · {human_bytes(r.upload.mean)}"
+            if r.rounds:  # rounds after the train round: their count and largest
                 cell += f" + {r.rounds} × ≤{human_bytes(r.round_upload.mean)}"
             return cell
 
@@ -142,6 +161,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict[str, Any]]:
                 "scores": None if r.reference else r.scores,
                 "label": r.label,
                 "kind": r.kind,
+                "stage": None if r.reference else r.stage,
                 "runner": r.runner or None,
                 "sites": r.sites,
                 "n": r.accuracy.n,
@@ -155,6 +175,8 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict[str, Any]]:
                 "gap_pp_std": r.gap.std,
                 "fusion_seconds_mean": r.seconds.mean,
                 "fusion_seconds_std": r.seconds.std,
+                "finetune_seconds_mean": r.finetune_seconds.mean,
+                "finetune_seconds_std": r.finetune_seconds.std,
                 "upload_bytes_per_site_mean": None
                 if r.upload.mean is None
                 else round(r.upload.mean),

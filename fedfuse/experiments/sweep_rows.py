@@ -16,6 +16,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ROW_FORMAT = "fedfuse-compare-row/1"
+#: a row's stage (rows written before fine-tuning existed are zero-shot)
+ZERO_SHOT, FINETUNED = "zero-shot", "finetuned"
 BASE_LABEL = "base models (mean)"
 ENSEMBLE_LABEL = "ensemble"
 NO_STD = "–"  # shown for the std of a single value (and for any absent number)
@@ -78,6 +80,7 @@ def load_sweep(sweep_dir: str | Path) -> Sweep:
         row["scores"] = row.get("scores") or NO_STD
         row["kind"] = row.get("kind") or "fusion"
         row["runner"] = row.get("runner") or "library"
+        row["stage"] = row.get("stage") or ZERO_SHOT
         rows.append(row)
     rows = _unique_jobs(rows, problems)
     for problem in problems:
@@ -93,7 +96,7 @@ def _unique_jobs(rows: list[dict[str, Any]], problems: list[str]) -> list[dict[s
     jobs: dict[tuple, dict[str, Any]] = {}
     for row in sorted(rows, key=lambda r: (is_ok(r), str(r["row_id"]))):
         key = (*table_key(row), row["scores"], row["label"], row["kind"], row["runner"])
-        key += (row["sites"], row["seed"])
+        key += (row["stage"], row["sites"], row["seed"])
         if key in jobs:
             problems.append(f"{jobs[key]['row_id']}: the same job as {row['row_id']}, left out")
         jobs[key] = row
@@ -136,8 +139,10 @@ class SummaryRow:
     seconds: Stat
     upload: Stat  # bytes per site, the train round's upload
     test_examples: int | None
-    rounds: int = 0  # statistics rounds after the train round
-    round_upload: Stat = Stat(None, None, 0)  # bytes per site, its largest statistics round
+    rounds: int = 0  # rounds after the train round (statistics, site fine-tuning)
+    round_upload: Stat = Stat(None, None, 0)  # bytes per site, its largest such round
+    stage: str = ZERO_SHOT  # or FINETUNED: the fused model fine-tuned after fusion
+    finetune_seconds: Stat = Stat(None, None, 0)  # of a fine-tuned row
 
     @property
     def reference(self) -> bool:
@@ -181,7 +186,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
     site_sets: dict[tuple, dict[str, Any]] = {}
     for row in rows:
         key = (table_key(row), row["label"], row["scores"], row["kind"], row["runner"])
-        methods[(*key, int(row["sites"]))].append(row)
+        methods[(*key, row.get("stage") or ZERO_SHOT, int(row["sites"]))].append(row)
         if isinstance(row.get("base_mean_accuracy"), int | float):
             site_sets.setdefault((table_key(row), int(row["sites"]), int(row["seed"])), row)
     summary = []
@@ -213,7 +218,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                     test_examples=examples,
                 )
             )
-    for (table, label, scores, kind, runner, sites), group in methods.items():
+    for (table, label, scores, kind, runner, stage, sites), group in methods.items():
         good = [r for r in group if is_ok(r)]
         summary.append(
             SummaryRow(
@@ -233,14 +238,28 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 test_examples=next((r.get("test_examples") for r in good), None),
                 rounds=max((_round_upload(r)[0] for r in good), default=0),
                 round_upload=Stat.of(_round_upload(r)[1] for r in good),
+                stage=stage,
+                finetune_seconds=Stat.of(r.get("finetune_seconds") for r in good),
             )
         )
     return sorted(summary, key=_order)
 
 
 def _order(row: SummaryRow) -> tuple:
+    """References first, then the zero-shot rows (fusion methods before trained ones), then
+    the fine-tuned rows, each block by label."""
     rank = 0 if row.label == BASE_LABEL else 1 if row.label == ENSEMBLE_LABEL else 2
-    return (row.table, rank, row.kind != "fusion", row.label, row.scores, row.runner, row.sites)
+    tuned = row.stage != ZERO_SHOT
+    return (
+        row.table,
+        rank,
+        tuned,
+        row.kind != "fusion",
+        row.label,
+        row.scores,
+        row.runner,
+        row.sites,
+    )
 
 
 def series_name(row: SummaryRow, rows: Sequence[SummaryRow]) -> str:

@@ -111,13 +111,25 @@ class FusionMethod(ABC):
         num_models: int,
         spec: ModelSpec | None = None,
         available: Iterable[str] | None = None,
+        target: ModelSpec | None = None,
     ) -> None:
         """Raise ValueError, naming the method, unless it can fuse this run's models.
 
         Meant to be called before any site trains: ``num_models`` sites of architecture
         ``spec`` (None: not known yet), with the :class:`FusionInputs` fields ``available``
-        (None: all of them). Cheap: the spec is built on the meta device.
+        (None: all of them), into ``target`` (None: the sites' spec). Cheap: the specs are
+        built on the meta device.
         """
+        if target is not None and spec is not None and target != spec:
+            if not self.retargetable:
+                raise ValueError(
+                    f"{self.name}: fuses only into the sites' own architecture, not the "
+                    f"requested fused widths {list(target.widths)}"
+                )
+            try:
+                self.check_architecture(build_model(target, device="meta"))
+            except ValueError as error:
+                raise ValueError(f"{self.name}: cannot fuse into {target.arch}: {error}") from None
         if num_models < 2:
             raise ValueError(f"{self.name}: fusion needs at least 2 models, got {num_models}")
         if self.max_models is not None and num_models > self.max_models:

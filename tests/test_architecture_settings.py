@@ -1,0 +1,56 @@
+"""ResNet/ViT and the fused width as run settings: keys, specs, checks before training."""
+
+import pytest
+
+from fedfuse.fusion import make_fusion_method
+from fedfuse.models import make_spec
+from fedfuse.scenario import RunSettings
+from fedfuse.site_cache import site_set_key
+from strategies.one_shot import MethodsUnfit, check_methods
+
+
+def test_model_options_build_resnet_and_vit_specs():
+    settings = RunSettings.from_config(
+        {"model": "resnet", "model-options": "depth=18 width_multiplier=0.125"}
+    )
+    spec = make_spec("resnet", (1, 28, 28), 10, **settings.architecture_options())
+    assert spec.options["blocks"] == [2, 2, 2, 2] and spec.widths[0] == 8
+    vit = RunSettings(model="vit", model_options="patch=7 depth=2 heads=2 hidden=16 mlp=32")
+    assert vit.architecture_options() == {
+        "patch": 7,
+        "depth": 2,
+        "heads": 2,
+        "hidden": 16,
+        "mlp": 32,
+    }
+    with pytest.raises(ValueError, match="resnet: .*unexpected keyword"):
+        make_spec(
+            "resnet", (1, 28, 28), 10, **RunSettings(model_options="deep=3").architecture_options()
+        )
+    # site sets of different model options never share a cache entry
+    assert site_set_key(RunSettings(model="resnet", model_options="depth=10"), 2) != site_set_key(
+        RunSettings(model="resnet", model_options="depth=18"), 2
+    )
+
+
+def test_fused_widths_key_scales_or_lists_the_widths():
+    spec = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=0.25)
+    assert RunSettings().fused_spec(spec) is None
+    assert RunSettings(fused_widths="0.5x").fused_spec(spec).widths == (8, 8, 16, 32, 64)
+    assert RunSettings(fused_widths="4,4,8,8,8").fused_spec(spec).widths == (4, 4, 8, 8, 8)
+    assert RunSettings(fused_widths="1x").fused_spec(spec) is None
+    with pytest.raises(ValueError, match="fused-widths '4,4' does not fit the sites' resnet"):
+        RunSettings(fused_widths="4,4").fused_spec(spec)
+    vit = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
+    with pytest.raises(ValueError, match="heads do not divide"):
+        RunSettings(fused_widths="0.3x").fused_spec(vit)
+
+
+def test_a_fused_width_is_checked_against_every_method_before_training():
+    spec = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=0.25)
+    target = RunSettings(fused_widths="0.5x").fused_spec(spec)
+    methods = [make_fusion_method(name) for name in ("kf-gradient", "fedavg", "git-rebasin")]
+    with pytest.raises(MethodsUnfit, match="2 of the listed") as error:
+        check_methods(methods, 2, spec, None, target)
+    assert "fedavg: fuses only into the sites' own architecture" in str(error.value)
+    check_methods(methods[:1], 2, spec, None, target)  # kf-gradient fuses into any width
