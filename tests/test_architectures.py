@@ -90,8 +90,10 @@ def test_vit_paper_defaults_and_errors():
     shapes = parameter_shapes(spec)
     assert shapes["levels.0.position"] == (384, 17)  # 16 patches + the class token
     assert shapes["levels.8.2.weight"] == (100, 384)
-    with pytest.raises(ValueError, match="does not divide"):
-        build_model(make_spec("vit", (1, 28, 28), 10, patch=8, hidden=24, heads=2))
+    # the paper's patch 8 on 28x28 inputs: padded to 32x32, 16 patches
+    padded = build_model(make_spec("vit", (1, 28, 28), 10, patch=8, hidden=24, heads=2, depth=1))
+    assert padded.levels[0].position.shape == (24, 17)
+    assert padded(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     with pytest.raises(ValueError, match="heads do not divide"):
         build_model(make_spec("vit", (1, 28, 28), 10, patch=7, hidden=30, heads=4))
     with pytest.raises(ValueError, match="all equal"):
