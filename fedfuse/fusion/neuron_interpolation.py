@@ -325,11 +325,7 @@ class NeuronInterpolation(FusionMethod):
         fused = build_model(target, seed=self.seed).to(device).eval()
         neuron_levels = fused.neuron_levels
         captured = [
-            {
-                level: io
-                for level, base_level in mapping.items()
-                for io in [capture[base_level]]
-            }
+            {level: io for level, base_level in mapping.items() for io in [capture[base_level]]}
             for m, mapping in zip(models, mappings, strict=True)
             for capture in [
                 capture_levels(
