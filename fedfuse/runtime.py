@@ -64,3 +64,48 @@ def configure_logging(level: int = logging.INFO) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+class PeakMemory:
+    """Peak resident memory of this process while a block runs, sampled every ``interval`` s.
+
+    ``with PeakMemory() as peak: ...`` then ``peak.rss_mib`` (the highest RSS seen, MiB),
+    ``peak.extra_mib`` (that peak over the RSS at the start: what the block itself needed) and,
+    on CUDA, ``peak.cuda_mib`` (``torch.cuda.max_memory_allocated`` during the block).
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.rss_mib = self.extra_mib = 0.0
+        self.cuda_mib: float | None = None
+
+    def __enter__(self) -> PeakMemory:
+        import threading
+
+        import psutil
+
+        process = psutil.Process()
+        self._start = process.memory_info().rss
+        self._peak = self._start
+        self._done = threading.Event()
+
+        def sample() -> None:
+            while not self._done.wait(self.interval):
+                self._peak = max(self._peak, process.memory_info().rss)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import psutil
+
+        self._done.set()
+        self._thread.join()
+        self._peak = max(self._peak, psutil.Process().memory_info().rss)
+        self.rss_mib = self._peak / 2**20
+        self.extra_mib = (self._peak - self._start) / 2**20
+        if torch.cuda.is_available():
+            self.cuda_mib = torch.cuda.max_memory_allocated() / 2**20

@@ -48,6 +48,7 @@ from ..finetune import average_models, finetune, state_bytes
 from ..fusion import FusionInputs, FusionMethod
 from ..fusion.site_statistics import LocalSites, statistics_round_bytes
 from ..report import evaluate_fusion, write_json
+from ..runtime import PeakMemory
 from ..scenario import RunSettings, Scenario, finetune_seed
 from ..site_cache import SiteCache, site_set_key
 
@@ -301,9 +302,13 @@ def _fuse_library(
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
         available["sites"] = LocalSites(models, site_inputs, device=settings.device)
     inputs = FusionInputs(**{k: v for k, v in available.items() if needs is None or k in needs})
-    result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
+    with PeakMemory() as peak:
+        result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
     return result.model, {
         "fusion_seconds": result.seconds,
+        "fusion_peak_rss_mib": round(peak.rss_mib, 1),
+        "fusion_extra_rss_mib": round(peak.extra_mib, 1),
+        "fusion_peak_cuda_mib": None if peak.cuda_mib is None else round(peak.cuda_mib, 1),
         "round_upload_bytes": statistics_round_bytes(result.details, job.sites),
         "details": _json_safe(result.details),
     }
