@@ -112,7 +112,8 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
             ]
         lines += [
             "",
-            "Fusion time (s) and upload per site, mean ± sample std over seeds (the train "
+            "Fusion time (s), the fusion's peak memory over the process's memory at its start "
+            "(where measured), and upload per site, mean ± sample std over seeds (the train "
             "round's upload, then any further rounds, statistics or site fine-tuning: their "
             "count × a site's largest one; `+ ft` is the fine-tuning time):",
             "",
@@ -124,6 +125,8 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
             cell = f"{format_stat(r.seconds, count=False)} s"
             if r.finetune_seconds.mean is not None:
                 cell += f" + ft {format_stat(r.finetune_seconds, count=False)} s"
+            if r.peak_extra_mib.mean is not None:
+                cell += f" · +{r.peak_extra_mib.mean:.0f} MiB"
             cell += f" · {human_bytes(r.upload.mean)}"
             if r.rounds:  # rounds after the train round: their count and largest
                 cell += f" + {r.rounds} × ≤{human_bytes(r.round_upload.mean)}"
@@ -175,6 +178,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict[str, Any]]:
                 "gap_pp_std": r.gap.std,
                 "fusion_seconds_mean": r.seconds.mean,
                 "fusion_seconds_std": r.seconds.std,
+                "fusion_peak_extra_mib_mean": r.peak_extra_mib.mean,
                 "finetune_seconds_mean": r.finetune_seconds.mean,
                 "finetune_seconds_std": r.finetune_seconds.std,
                 "upload_bytes_per_site_mean": None

@@ -143,6 +143,7 @@ class SummaryRow:
     round_upload: Stat = Stat(None, None, 0)  # bytes per site, its largest such round
     stage: str = ZERO_SHOT  # or FINETUNED: the fused model fine-tuned after fusion
     finetune_seconds: Stat = Stat(None, None, 0)  # of a fine-tuned row
+    peak_extra_mib: Stat = Stat(None, None, 0)  # the fusion's peak RSS over its start
 
     @property
     def reference(self) -> bool:
@@ -240,6 +241,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 round_upload=Stat.of(_round_upload(r)[1] for r in good),
                 stage=stage,
                 finetune_seconds=Stat.of(r.get("finetune_seconds") for r in good),
+                peak_extra_mib=Stat.of(r.get("fusion_extra_rss_mib") for r in good),
             )
         )
     return sorted(summary, key=_order)
