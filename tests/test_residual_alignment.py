@@ -10,8 +10,8 @@ from torch import nn
 from fedfuse.capture import capture_modules
 from fedfuse.fusion import make_fusion_method
 from fedfuse.fusion.affine import output_rows
+from fedfuse.fusion.batchnorm import reset_batchnorm_statistics
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.repair import reset_batchnorm_statistics
 from fedfuse.fusion.space_alignment import block_assignment, block_transport
 from fedfuse.models import build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations

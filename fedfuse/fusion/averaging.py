@@ -8,7 +8,7 @@ Every state-dict entry is averaged, BatchNorm running statistics included; integ
 (BatchNorm's ``num_batches_tracked``) get the rounded weighted average. Any architecture
 (MLP, VGG, ResNet, ViT) works. With ``reset_batchnorm=True`` (off by default, so FedAvg stays
 the plain reference) the fused model's BatchNorm running statistics are then recomputed on the
-fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`), which the option then
+fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`), which the option then
 requires; models without BatchNorm are unaffected.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 from ..models import LeveledModel, ModelSpec, build_model
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .batchnorm import has_batchnorm, reset_batchnorm_statistics
 from .inputs import sample_counts
-from .repair import has_batchnorm, reset_batchnorm_statistics
 
 
 def average_state_dicts(

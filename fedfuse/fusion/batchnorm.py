@@ -6,14 +6,16 @@ BatchNorm running statistics are not those of the activations it now sees. Two r
 - :func:`refold_batchnorm_statistics` keeps the eval-mode function exactly and rewrites the
   parametrisation: the running mean and variance become the fusion set's, and the scale and
   shift absorb the difference. Fine-tuning in train mode then starts from the same function.
-- resetting the statistics on the fusion set (REPAIR's reset, for averaged models) changes the
-  function on purpose; see :mod:`fedfuse.fusion.repair`.
+- :func:`reset_batchnorm_statistics` re-estimates them on the fusion set and changes the
+  function on purpose: REPAIR's BatchNorm form, for averaged (aligned) models.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..runtime import resolve_device
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -86,3 +88,53 @@ def refold_batchnorm_statistics(
         norm.running_var.copy_(var.to(old_scale.device))
         rewritten += 1
     return rewritten
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a BatchNorm layer that tracks running statistics."""
+    return any(isinstance(m, _NORMS) and m.track_running_stats for m in model.modules())
+
+
+@torch.no_grad()
+def reset_batchnorm_statistics(
+    model: torch.nn.Module,
+    data: torch.Tensor,
+    batch_size: int = 256,
+    device: str | torch.device = "auto",
+) -> torch.nn.Module:
+    """Recompute every BatchNorm layer's running mean and variance on ``data`` (in place).
+
+    The BatchNorm form of REPAIR (and Git Re-Basin's "reset BN"): after averaging aligned
+    models, the averaged running statistics no longer describe the fused model's features.
+    Each BatchNorm layer's statistics are reset and re-estimated as the cumulative average over
+    the batches of ``data`` (``momentum=None``), with only the BatchNorm layers in training mode
+    (dropout and the like stay off). Every module's mode and momentum is restored afterwards;
+    the parameters are not changed. A model without BatchNorm is returned untouched.
+
+    Returns:
+        ``model``.
+    """
+    norms = [m for m in model.modules() if isinstance(m, _NORMS) and m.track_running_stats]
+    if not norms:
+        return model
+    if len(data) == 0:
+        raise ValueError("cannot reset BatchNorm statistics on an empty fusion set")
+    compute = resolve_device(device)
+    modes = [m.training for m in model.modules()]
+    momenta = [m.momentum for m in norms]
+    home = next(model.parameters()).device
+    try:
+        model.eval().to(compute)
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None
+            norm.train()
+        for start in range(0, len(data), batch_size):
+            model(data[start : start + batch_size].to(compute))
+    finally:
+        for norm, momentum in zip(norms, momenta, strict=True):
+            norm.momentum = momentum
+        for module, mode in zip(model.modules(), modes, strict=True):
+            module.training = mode
+        model.to(home)
+    return model

@@ -47,7 +47,7 @@ features, same cost), but ``use_scores`` and ``repair`` (which fold into affine 
 refused by :meth:`GitReBasin.check_architecture`.
 
 BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
-are recomputed on the fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`,
+are recomputed on the fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`,
 the paper's "reset BN" and REPAIR's BatchNorm form); without it they are the averaged aligned
 statistics. Models without BatchNorm are unaffected.
 
@@ -72,9 +72,9 @@ from ..runtime import resolve_device
 from .alignment import affine_levels, permute_level
 from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .batchnorm import has_batchnorm, reset_batchnorm_statistics
 from .inputs import averaging_weights, check_levels, resolve_scores
 from .matching import correlation, linear_assignment, squared_distances
-from .repair import has_batchnorm, reset_batchnorm_statistics
 from .repair import repair as repair_model
 from .space_alignment import (
     align_model,

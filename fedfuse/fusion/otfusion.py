@@ -50,7 +50,7 @@ by :meth:`OTFusion.check_architecture`; models of different widths are never fus
 models share one spec and the fused model has it).
 
 BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
-are recomputed on the fusion set (:func:`~fedfuse.fusion.repair.reset_batchnorm_statistics`):
+are recomputed on the fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`):
 a soft transport map mixes the running variances linearly, which is only right for a
 permutation. Models without BatchNorm are unaffected.
 
@@ -79,9 +79,9 @@ from ..runtime import resolve_device
 from .alignment import affine_levels, map_incoming, map_outgoing
 from .averaging import average_state_dicts
 from .base import FusionInputs, FusionMethod, register_fusion_method
+from .batchnorm import has_batchnorm, reset_batchnorm_statistics
 from .inputs import averaging_weights, check_levels, resolve_scores
 from .matching import squared_distances
-from .repair import has_batchnorm, reset_batchnorm_statistics
 from .repair import repair as repair_model
 from .space_alignment import (
     align_model,
