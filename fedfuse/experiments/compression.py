@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..fusion import FusionInputs, make_fusion_method
 from ..importance import importance_scores
 from ..models import build_model, make_spec
@@ -46,6 +47,7 @@ def run_seed(
     fusion_classes: int = 3,
     fusion_samples: int = 2000,
     device: str = "auto",
+    out: Path = Path("outputs/compression"),
 ) -> list[dict[str, Any]]:
     """Train the teacher, compress it with KF Gradient (uniform and conductance scores) and KD;
     one row per model with its test accuracy."""
@@ -66,25 +68,22 @@ def run_seed(
     small = make_spec("resnet", shape, n, depth=student_depth, width_multiplier=width_multiplier)
     recipe = TrainConfig(epochs=epochs)
 
-    def trained(spec, data, name):
-        model = build_model(spec, seed=seed)
-        train(model, data, recipe, seed=seed, device=device, progress=False, description=name)
-        return model.eval()
-
-    teacher = trained(big, teacher_data, f"ResNet-{teacher_depth}")
-    baseline = trained(small, own, f"ResNet-{student_depth} on the fusion classes")
+    teacher = _trained_once(out, f"teacher-{seed}", big, teacher_data, recipe, seed, device)
+    baseline = _trained_once(out, f"own-classes-{seed}", small, own, recipe, seed, device)
     common = {"seed": seed, "fusion_classes": classes.tolist(), "fusion_samples": len(fusion)}
     rows = [
         {**common, "model": f"ResNet-{teacher_depth} (teacher)", **_score(teacher, test_set)},
         {**common, "model": f"ResNet-{student_depth} trained on the fusion classes",
          **_score(baseline, test_set)},
     ]  # fmt: skip
+    for row in rows:
+        log.info("seed %d: %s", seed, row)
     x, y = fusion.inputs(), fusion.labels
     conductance = importance_scores(teacher, x, y, method="conductance", device=device)
     methods = {
         "KF Gradient, uniform scores": ("kf-gradient", {"use_scores": False}, None),
-        "KF Gradient, conductance": ("kf-gradient", {}, [conductance]),
         "Knowledge distillation": ("kd", {"student_init": "fresh"}, None),
+        "KF Gradient, conductance": ("kf-gradient", {}, [conductance]),
     }
     for label, (name, options, scores) in methods.items():
         method = make_fusion_method(name, device=device, seed=seed, **options)
@@ -99,8 +98,22 @@ def run_seed(
                 "peak_rss_gib": round(peak_rss_gib(), 2),
             }
         )
-        log.info("seed %d %s: %s", seed, label, rows[-1])
+        log.info("seed %d: %s", seed, rows[-1])
     return rows
+
+
+def _trained_once(
+    out: Path, name: str, spec: Any, data: Any, recipe: TrainConfig, seed: int, device: str
+) -> torch.nn.Module:
+    """A model of ``spec`` trained on ``data``, kept as ``<out>/<name>.safetensors`` and loaded
+    from there when a rerun finds it (teachers take the longest)."""
+    path = out / f"{name}.safetensors"
+    if path.exists():
+        return load_checkpoint(path).model.eval()
+    model = build_model(spec, seed=seed)
+    train(model, data, recipe, seed=seed, device=device, progress=False, description=name)
+    save_checkpoint(path, model)
+    return model.eval()
 
 
 def _score(model: torch.nn.Module, test_set: Any) -> dict[str, float]:
@@ -157,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             epochs=args.epochs,
             fusion_samples=args.fusion_samples,
             device=args.device,
+            out=out,
         )
         path.write_text(json.dumps(seed_rows, indent=1))
         rows += seed_rows
