@@ -54,3 +54,13 @@ def test_a_fused_width_is_checked_against_every_method_before_training():
         check_methods(methods, 2, spec, None, target)
     assert "fedavg: fuses only into the sites' own architecture" in str(error.value)
     check_methods(methods[:1], 2, spec, None, target)  # kf-gradient fuses into any width
+
+
+def test_methods_that_start_from_a_site_model_refuse_another_width_before_training():
+    spec = make_spec("mlp", (1, 8, 8), 10, widths=(16, 16))
+    target = spec.with_widths((8, 8))
+    with pytest.raises(ValueError, match=r"kd: student_init='first' .* use student_init='fresh'"):
+        make_fusion_method("kd").check_run(2, spec, target=target)
+    with pytest.raises(ValueError, match="linear-probe: the probe keeps a site's body"):
+        make_fusion_method("linear-probe").check_run(2, spec, target=target)
+    make_fusion_method("kd", student_init="fresh").check_run(2, spec, target=target)

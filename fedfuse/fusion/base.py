@@ -126,6 +126,7 @@ class FusionMethod(ABC):
                     f"{self.name}: fuses only into the sites' own architecture, not the "
                     f"requested fused widths {list(target.widths)}"
                 )
+            self.check_target(spec, target)
             try:
                 self.check_architecture(build_model(target, device="meta"))
             except ValueError as error:
@@ -149,6 +150,11 @@ class FusionMethod(ABC):
                 self.check_architecture(build_model(spec, device="meta"))
             except ValueError as error:
                 raise ValueError(f"{self.name}: cannot fuse {spec.arch} models: {error}") from None
+
+    def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
+        """Raise ValueError unless this configuration of a retargetable method can fuse sites
+        of ``spec`` into the other spec ``target`` (by default it can)."""
+        return None
 
     def check_architecture(self, model: LeveledModel) -> None:
         """Raise ValueError unless the method can fuse models built like ``model`` (built on

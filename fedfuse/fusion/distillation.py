@@ -334,6 +334,14 @@ class KnowledgeDistillation(FusionMethod):
             ce_weight=self.ce_weight,
         )
 
+    def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
+        if self.student_init != "fresh":
+            raise ValueError(
+                f"{self.name}: student_init={self.student_init!r} starts from the sites' models, "
+                f"so it cannot fuse into the requested fused widths {list(target.widths)}; "
+                "use student_init='fresh'"
+            )
+
     def _student(self, models: list[LeveledModel], target: ModelSpec) -> LeveledModel:
         if self.student_init == "fresh":
             return build_model(target, seed=self.seed)
@@ -500,6 +508,12 @@ class LinearProbe(FusionMethod):
             temperature=self.temperature,
             kd_weight=1.0 - ce,
             ce_weight=ce,
+        )
+
+    def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
+        raise ValueError(
+            f"{self.name}: the probe keeps a site's body, so the fused model has the sites' "
+            f"widths {list(spec.widths)}, not the requested {list(target.widths)}"
         )
 
     def _fuse(
