@@ -14,8 +14,8 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedfuse.federation.scenario import RunSettings
 from fedfuse.runtime import configure_logging
-from fedfuse.scenario import RunSettings
 
 from .records import (
     WEIGHTS_KEY,

@@ -13,10 +13,10 @@ import json
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedfuse.federation.uploads import ClientUpload
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
+from fedfuse.io.validation import model_from_state
 from fedfuse.models import LeveledModel, ModelSpec
-from fedfuse.uploads import ClientUpload
-from fedfuse.validation import model_from_state
 
 WEIGHTS_KEY = "arrays"
 SCORES_KEY = "scores"

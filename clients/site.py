@@ -17,18 +17,24 @@ from typing import Any
 import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
-from fedfuse.finetune import finetune
+from fedfuse.federation.scenario import (
+    RunSettings,
+    Scenario,
+    client_seed,
+    finetune_seed,
+    scores_sample,
+)
+from fedfuse.federation.site_cache import CachedSite, SiteCache
+from fedfuse.federation.uploads import ClientUpload
 from fedfuse.fusion import FUSION_METHODS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
-from fedfuse.importance import importance_scores
+from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
+from fedfuse.models.importance import importance_scores
 from fedfuse.runtime import limit_threads, seed_everything
-from fedfuse.scenario import RunSettings, Scenario, client_seed, finetune_seed, scores_sample
-from fedfuse.site_cache import CachedSite, SiteCache
-from fedfuse.training import train
-from fedfuse.uploads import ClientUpload
-from fedfuse.validation import load_validated_state
+from fedfuse.training.finetune import finetune
+from fedfuse.training.loop import train
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +171,8 @@ def finetune_site(
     data_path: str | None = None,
 ) -> SiteFinetune:
     """The fine-tuning round of a site: a copy of the fused ``model`` trained on the site's own
-    data for ``finetune-epochs`` (:func:`fedfuse.finetune.finetune` with the run's settings and
-    the site's own seed); ``model`` is left as it was."""
+    data for ``finetune-epochs`` (:func:`fedfuse.training.finetune.finetune` with the run's
+    settings and the site's own seed); ``model`` is left as it was."""
     limit_threads(settings.threads)
     data = load_site_data(settings, partition_id, num_partitions, data_path)
     if tuple(data.input_shape) != tuple(model.spec.input_shape):

@@ -26,8 +26,8 @@ from fedfuse.clients.records import (
     pack_finetune_request,
     unpack_finetune_reply,
 )
-from fedfuse.finetune import WeightedAverage, state_bytes
 from fedfuse.models import LeveledModel
+from fedfuse.training.finetune import WeightedAverage, state_bytes
 
 from .replies import short_reason
 

@@ -9,8 +9,8 @@ sites after fusion is one more round, ``finetune_round.SiteFinetuneRound``
 The server checks that every listed fusion method can fuse this run (number of sites,
 architecture, inputs) before any site trains, sends every connected site one train message,
 and takes the replies **as they arrive**: each is validated (naming a bad client) and written
-at once to the run's :class:`~fedfuse.uploads.UploadStore`, so the server never holds every
-upload in memory and nothing a site computed is lost if a later step fails. Once all sites
+at once to the run's :class:`~fedfuse.federation.uploads.UploadStore`, so the server never holds
+every upload in memory and nothing a site computed is lost if a later step fails. Once all sites
 replied, or the reply timeout passed, the accepted uploads are fused by each method of the
 Flower-free library; a method that fails is recorded with its error and the others go on.
 There is no federated evaluation round: the server evaluates the fused models itself.
@@ -30,10 +30,10 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedfuse.clients.records import CONFIG_KEY, WEIGHTS_KEY
 from fedfuse.data import ImageDataset
+from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionInputs, FusionMethod, FusionResult
+from fedfuse.io.validation import ContributionError
 from fedfuse.models import LeveledModel, ModelSpec
-from fedfuse.uploads import StoredUpload, UploadStore
-from fedfuse.validation import ContributionError
 
 from .finetune_round import SiteFinetuneRound
 from .replies import decode_reply, describe_sender

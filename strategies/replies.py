@@ -2,7 +2,7 @@
 
 Nothing in a reply is trusted: its records may be missing or of the wrong kind, its spec forged,
 its tensors misshapen or not finite, its counts negative or absurd. Every check comes from
-:mod:`fedfuse.validation`, and sizes are compared with the spec before anything is built.
+:mod:`fedfuse.io.validation`, and sizes are compared with the spec before anything is built.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 from flwr.app import ConfigRecord, Message
 
-from fedfuse.checkpoint import scores_from_tensors
 from fedfuse.clients.records import (
     GRAMS_KEY,
     METRICS_KEY,
@@ -24,9 +23,9 @@ from fedfuse.clients.records import (
     WEIGHTS_KEY,
     unpack_tensors,
 )
-from fedfuse.models import ModelSpec
-from fedfuse.uploads import ClientUpload
-from fedfuse.validation import (
+from fedfuse.federation.uploads import ClientUpload
+from fedfuse.io.checkpoint import scores_from_tensors
+from fedfuse.io.validation import (
     ContributionError,
     model_from_state,
     validate_grams,
@@ -34,6 +33,7 @@ from fedfuse.validation import (
     validate_scores,
     validate_site_facts,
 )
+from fedfuse.models import ModelSpec
 
 
 def describe_sender(msg: Message) -> str:

@@ -31,16 +31,21 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedfuse import __version__
-from fedfuse.checkpoint import save_checkpoint
 from fedfuse.data import DatasetNotFoundError, ImageDataset
-from fedfuse.finetune import finetune
+from fedfuse.federation.evaluation import (
+    evaluate_fusion,
+    format_accuracy_table,
+    format_level_summary,
+    write_json,
+)
+from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed, initial_seed
+from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod
+from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
-from fedfuse.report import evaluate_fusion, format_accuracy_table, format_level_summary, write_json
 from fedfuse.runtime import configure_logging, seed_everything
-from fedfuse.scenario import RunSettings, Scenario, finetune_seed, initial_seed
-from fedfuse.uploads import StoredUpload, UploadStore
+from fedfuse.training.finetune import finetune
 
 from .one_shot import OneShotFusion
 

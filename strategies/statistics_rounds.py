@@ -23,9 +23,9 @@ from fedfuse.clients.records import (
     pack_statistics_request,
     unpack_statistics,
 )
-from fedfuse.fusion.affine import affine_view
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
+from fedfuse.models.affine import affine_view
 
 from .replies import short_reason
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedfuse.fusion.alignment import affine_levels, map_incoming, map_outgoing, permute_level
+from fedfuse.fusion.blocks.alignment import affine_levels, map_incoming, map_outgoing, permute_level
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 
 
@@ -42,7 +42,7 @@ def test_duplicating_neurons_into_a_wider_level_keeps_the_function():
     [(3, 1, 1, 1), (3, 2, 0, 1), (2, 2, 1, 1), (3, 1, 2, 2)],
 )
 def test_conv_design_rows_reproduce_the_convolution(kernel, stride, padding, dilation):
-    from fedfuse.fusion.affine import affine_view, output_rows
+    from fedfuse.models.affine import affine_view, output_rows
 
     conv = torch.nn.Conv2d(3, 5, kernel, stride=stride, padding=padding, dilation=dilation)
     view = affine_view(conv)

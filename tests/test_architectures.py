@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-from fedfuse.capture import capture_levels
-from fedfuse.fusion.affine import affine_view, output_rows
 from fedfuse.models import (
     ModelSpec,
     build_model,
@@ -12,6 +10,8 @@ from fedfuse.models import (
     make_spec,
     parameter_shapes,
 )
+from fedfuse.models.affine import affine_view, output_rows
+from fedfuse.models.capture import capture_levels
 from fedfuse.models.resnet import BasicBlock
 from fedfuse.models.symmetry import (
     feature_spaces,
@@ -192,8 +192,8 @@ def test_models_of_different_depths_correspond_stage_by_stage():
 
 
 def test_resnet_checkpoints_round_trip_with_their_batchnorm_counters(tmp_path, generator):
-    from fedfuse.checkpoint import load_checkpoint, save_checkpoint
-    from fedfuse.validation import ContributionError, validate_state_dict
+    from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
+    from fedfuse.io.validation import ContributionError, validate_state_dict
 
     spec = SPECS["resnet10-28x28x1"]
     model = _trained_statistics(build_model(spec, seed=0), spec, generator)

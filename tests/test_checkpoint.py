@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fedfuse.checkpoint import CheckpointError, load_checkpoint, read_metadata, save_checkpoint
-from fedfuse.importance import uniform_scores
+from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, read_metadata, save_checkpoint
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.models.importance import uniform_scores
 
 
 @pytest.fixture

@@ -1,19 +1,19 @@
 import pytest
 import torch
 
-from fedfuse.checkpoint import load_checkpoint, save_checkpoint
-from fedfuse.checkpoint_fusion import (
+from fedfuse.cli.main import main
+from fedfuse.data import load_dataset, save_npz_dataset
+from fedfuse.federation.offline import (
     FusionSetSpec,
     format_level_summary,
     fuse_checkpoints,
     parse_data_spec,
     parse_options,
 )
-from fedfuse.cli import main
-from fedfuse.data import load_dataset, save_npz_dataset
-from fedfuse.importance import importance_scores
+from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.models import build_model, mlp_spec
-from fedfuse.training import TrainConfig, train
+from fedfuse.models.importance import importance_scores
+from fedfuse.training.loop import TrainConfig, train
 
 SPEC = mlp_spec((1, 8, 8), 10, (32,))
 QUICK = TrainConfig(epochs=3, batch_size=128, lr=1e-2)

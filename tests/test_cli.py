@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from fedfuse.checkpoint import save_checkpoint
-from fedfuse.cli import main
-from fedfuse.importance import uniform_scores
+from fedfuse.cli.main import main
+from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.models.importance import uniform_scores
 
 
 def test_partition_prints_the_class_table_and_plots(tmp_path, capsys):

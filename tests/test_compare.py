@@ -12,7 +12,11 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from fedfuse.config import (
+from fedfuse.experiments import compare
+from fedfuse.federation.scenario import RunSettings
+from fedfuse.federation.site_cache import site_set_key
+from fedfuse.fusion import FUSION_METHODS, make_fusion_method
+from fedfuse.settings.hydra import (
     available_options,
     compose,
     config_dir,
@@ -20,10 +24,6 @@ from fedfuse.config import (
     overrides_from_settings,
     settings_from_config,
 )
-from fedfuse.experiments import compare
-from fedfuse.fusion import FUSION_METHODS, make_fusion_method
-from fedfuse.scenario import RunSettings
-from fedfuse.site_cache import site_set_key
 
 #: a tiny real setting: sklearn digits (bundled with scikit-learn), a small MLP, short training
 TINY = [
@@ -104,7 +104,7 @@ def test_bloodmnist_hospitals_preset_splits_white_cells_from_the_rest():
 
 
 def test_simulate_takes_hydra_overrides_and_refuses_a_key_set_twice():
-    from fedfuse.cli import _run_config_from_overrides
+    from fedfuse.cli.main import _run_config_from_overrides
 
     run_config, sites = _run_config_from_overrides(
         ["partition=dirichlet", "sites=4", "method=regmean"], "reply-timeout=60"
@@ -285,7 +285,7 @@ def test_row_ids_of_augmented_and_fine_tuned_rows():
 
 
 def test_a_fine_tuning_job_writes_a_zero_shot_and_a_fine_tuned_row(tmp_path, monkeypatch):
-    from fedfuse.experiments.sweep_rows import load_sweep, summarize
+    from fedfuse.experiments.report.rows import load_sweep, summarize
 
     common = [*TINY, "method=kf-linear", f"output_dir={tmp_path}"]
     assert compare.main([*common, "finetune=fusion-set", "finetune.epochs=2"]) == 0

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from fedfuse.checkpoint import load_checkpoint
 from fedfuse.experiments import compression
+from fedfuse.io.checkpoint import load_checkpoint
 
 TINY = [
     "--dataset", "digits", "--width-multiplier", "0.0625", "--train-samples", "240",

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedfuse.checkpoint import load_checkpoint
 from fedfuse.data import load_dataset, load_npz_dataset, save_npz_dataset
-from fedfuse.training import evaluate
+from fedfuse.io.checkpoint import load_checkpoint
+from fedfuse.training.loop import evaluate
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ class Deployment:
 
     # ------------------------------------------------------------------------ the walkthrough
     def fedfuse(self, *args: str) -> str:
-        return self.run([sys.executable, "-m", "fedfuse.cli", *args], timeout=120).stdout
+        return self.run([sys.executable, "-m", "fedfuse.cli.main", *args], timeout=120).stdout
 
     def start_superlink(self) -> int:
         """``fedfuse certs``, then ``flower-superlink`` with TLS and SuperNode auth; its port."""

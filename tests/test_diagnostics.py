@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfuse.capture import predict
-from fedfuse.diagnostics import (
+from fedfuse.experiments.diagnostics import (
     first_layer_templates,
     landscape_on_plane,
     layer_weight_stats,
@@ -19,6 +18,7 @@ from fedfuse.diagnostics import (
     weight_vector,
 )
 from fedfuse.models import build_model, make_spec
+from fedfuse.models.capture import predict
 
 SPEC = make_spec("mlp", (1, 8, 8), 4, widths=(16, 12))
 

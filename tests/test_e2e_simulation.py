@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedfuse.checkpoint import load_checkpoint
-from fedfuse.cli import _superlink_pids
+from fedfuse.cli.main import _superlink_pids
 from fedfuse.data import load_dataset
-from fedfuse.training import evaluate
+from fedfuse.io.checkpoint import load_checkpoint
+from fedfuse.training.loop import evaluate
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def _simulate(
     command = [
         sys.executable,
         "-m",
-        "fedfuse.cli",
+        "fedfuse.cli.main",
         "simulate",
         "--app",
         str(app),

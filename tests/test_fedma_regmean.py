@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
-from fedfuse.fusion.affine import affine_view
-from fedfuse.fusion.alignment import permute_level
+from fedfuse.fusion.blocks.alignment import permute_level
 from fedfuse.fusion.fedma import FedMAMatching
 from fedfuse.fusion.regmean import RegMean, level_grams
 from fedfuse.models import LeveledModel, build_model, mlp_spec
+from fedfuse.models.affine import affine_view
 
 
 def _permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:

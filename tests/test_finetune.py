@@ -13,16 +13,16 @@ from flwr.app import Context, Error, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
-from fedfuse.augmentation import augment_dataset, augment_fusion_set, random_crop_flip
 from fedfuse.clients.client_app import finetune_round
 from fedfuse.clients.records import FINETUNE_MESSAGE, WEIGHTS_KEY
 from fedfuse.clients.site import finetune_site
 from fedfuse.data import load_dataset
-from fedfuse.finetune import WeightedAverage, average_models, finetune
+from fedfuse.data.augmentation import augment_dataset, augment_fusion_set, random_crop_flip
+from fedfuse.federation.scenario import RunSettings, Scenario
 from fedfuse.models import build_model, mlp_spec
-from fedfuse.scenario import RunSettings, Scenario
 from fedfuse.strategies.finetune_round import SiteFinetuneRound
-from fedfuse.training import lr_factor, make_optimizer
+from fedfuse.training.finetune import WeightedAverage, average_models, finetune
+from fedfuse.training.loop import lr_factor, make_optimizer
 
 SETTINGS = RunSettings(
     dataset="digits", mlp_widths="16", device="cpu", finetune_epochs=2, finetune_lr=3e-3

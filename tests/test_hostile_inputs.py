@@ -17,15 +17,15 @@ from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 from safetensors.torch import save_file
 
-from fedfuse.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from fedfuse.cli import main
+from fedfuse.cli.main import main
 from fedfuse.clients.records import GRAMS_KEY, METRICS_KEY, SITE_KEY, WEIGHTS_KEY, pack_upload
+from fedfuse.federation.uploads import ClientUpload, UploadStore
 from fedfuse.fusion.regmean import level_grams
-from fedfuse.importance import uniform_scores
+from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedfuse.io.validation import ContributionError
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.models.importance import uniform_scores
 from fedfuse.strategies.replies import decode_reply
-from fedfuse.uploads import ClientUpload, UploadStore
-from fedfuse.validation import ContributionError
 
 SPEC = mlp_spec((1, 4, 4), 3, (8, 6))
 

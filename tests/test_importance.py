@@ -2,8 +2,13 @@ import pytest
 import torch
 from captum.attr import LayerDeepLift
 
-from fedfuse.importance import SCORE_METHODS, importance_scores, normalize_scores, uniform_scores
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
+from fedfuse.models.importance import (
+    SCORE_METHODS,
+    importance_scores,
+    normalize_scores,
+    uniform_scores,
+)
 
 
 def _inputs(n=32, shape=(1, 4, 4), seed=0):
@@ -86,7 +91,7 @@ def test_one_pass_conductance_equals_captum_layer_conductance(tiny_mlp, tiny_vgg
     """All levels from one set of path passes give exactly Captum's per-layer LayerConductance."""
     from captum.attr import LayerConductance
 
-    from fedfuse.importance import layer_conductances
+    from fedfuse.models.importance import layer_conductances
 
     for model, shape in ((tiny_mlp, (1, 4, 4)), (tiny_vgg, (3, 32, 32))):
         model.eval()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fedfuse.fusion.kmeans import (
+from fedfuse.fusion.blocks.kmeans import (
     kmeans_plusplus,
     weighted_centers,
     weighted_kmeans,
@@ -92,7 +92,7 @@ def test_bad_arguments_are_named():
 def test_many_points_blocks_and_sampled_seeding_find_the_clusters(monkeypatch):
     """Past 16 k points the seeds come from a weighted sample, and distances, centres and costs
     are computed in row blocks; force both on a small problem and check the exact answers."""
-    import fedfuse.fusion.kmeans as kmeans
+    import fedfuse.fusion.blocks.kmeans as kmeans
 
     monkeypatch.setattr(kmeans, "_BLOCK_ROWS", 7)  # many uneven blocks
     monkeypatch.setattr(kmeans, "SEEDING_POINTS_PER_CLUSTER", 5)  # 20 of the 160 points

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedfuse.fusion.costs import cluster_targets, representation_cost
-from fedfuse.fusion.least_squares import gram_basis, kernel_basis, weighted_least_squares
+from fedfuse.fusion.blocks.costs import cluster_targets, representation_cost
+from fedfuse.fusion.blocks.least_squares import gram_basis, kernel_basis, weighted_least_squares
 
 
 @pytest.mark.parametrize("rows", [40, 7], ids=["tall-gram", "wide-kernel"])

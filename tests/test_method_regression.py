@@ -3,7 +3,7 @@
 ``tests/data/method_regression.json`` holds, for each case of
 ``tests/data/make_method_regression.py`` (a registered method with options, fusing 2 or 3 small
 trained MLPs with fixed scores, counts and Grams), the fused model's logits on a fixed probe
-batch, plus two runs of :func:`fedfuse.training.train`. A refactoring must keep them; a change
+batch, plus two runs of :func:`fedfuse.training.loop.train`. A refactoring must keep them; a change
 meant to move the numbers regenerates the file (see the script) and says why in its commit.
 """
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfuse.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.fusion.base import FusionInputs, make_fusion_method
 from fedfuse.fusion.regmean import RegMean, level_grams, module_grams_layout
+from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
+from fedfuse.io.validation import validate_grams
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.ensemble import Ensemble
-from fedfuse.validation import validate_grams
 
 SPECS = {
     "resnet": make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=0.125),

@@ -2,8 +2,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.capture import capture_levels, predict
 from fedfuse.models import Ensemble, ModelSpec, build_model, make_spec, mlp_spec, vgg11_spec
+from fedfuse.models.capture import capture_levels, predict
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.affine import affine_view
-from fedfuse.importance import uniform_scores
 from fedfuse.models import LeveledModel, build_model, mlp_spec, vgg11_spec
+from fedfuse.models.affine import affine_view
+from fedfuse.models.importance import uniform_scores
 
 
 def permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
+from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
 from fedfuse.models import build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 

@@ -13,17 +13,17 @@ from fakes import NodesGrid
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedfuse.cli import main
+from fedfuse.cli.main import main
 from fedfuse.clients.records import pack_upload
 from fedfuse.clients.site import train_site
+from fedfuse.data.partition_cache import PartitionCache
+from fedfuse.federation.evaluation import evaluate_fusion, write_json
+from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
 from fedfuse.models import Ensemble, mlp_spec, vgg11_spec
-from fedfuse.partition_cache import PartitionCache
-from fedfuse.report import evaluate_fusion, write_json
-from fedfuse.scenario import RunSettings, Scenario
 from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
-from fedfuse.training import evaluate
-from fedfuse.uploads import UploadStore
+from fedfuse.training.loop import evaluate
 
 SETTINGS = RunSettings(
     dataset="digits",
@@ -265,7 +265,7 @@ def test_a_site_does_not_load_the_training_set_when_the_cache_exists(tmp_path, m
     monkeypatch.setenv("FEDFUSE_CACHE", str(tmp_path))
     settings = RunSettings(dataset="digits", partitioner="iid")
     Scenario(settings, 4).client_data(0)  # builds the cache
-    import fedfuse.scenario as scenario_module
+    import fedfuse.federation.scenario as scenario_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a site loaded the whole training set")
@@ -297,7 +297,7 @@ def test_models_of_a_store_stay_memory_mapped(uploads, tmp_path):
 
 
 def test_simulate_sets_only_the_run_config_keys_the_app_declares(tmp_path):
-    from fedfuse.cli import simulation_run_config
+    from fedfuse.cli.main import simulation_run_config
 
     full = simulation_run_config("lr=0.01", tmp_path, 10, app_keys=["min-nodes", "max-in-flight"])
     assert full["min-nodes"] == 10 and full["max-in-flight"] >= 4 and full["lr"] == 0.01

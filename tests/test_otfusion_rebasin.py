@@ -4,14 +4,14 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from fedfuse.fusion.affine import output_rows
-from fedfuse.fusion.alignment import affine_levels, permute_level
 from fedfuse.fusion.averaging import average_state_dicts
 from fedfuse.fusion.base import FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
+from fedfuse.fusion.blocks.repair import neuron_statistics, repair, target_statistics
 from fedfuse.fusion.git_rebasin import GitReBasin, correlation, match_neurons
 from fedfuse.fusion.otfusion import OTFusion, squared_distances, transport_plan
-from fedfuse.fusion.repair import neuron_statistics, repair, target_statistics
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
+from fedfuse.models.affine import output_rows
 
 MLP = mlp_spec((1, 6, 6), 4, (12, 10))
 VGG = vgg11_spec((1, 28, 28), 10, width_multiplier=1 / 16)

@@ -36,7 +36,7 @@ def test_wheel_has_only_fedfuse_at_the_top_level(tmp_path):
     for module in (
         "fedfuse/experiments/compare.py",
         "fedfuse/fusion/otfusion.py",
-        "fedfuse/cli.py",
+        "fedfuse/cli/main.py",
     ):
         assert module in names
     assert "fedfuse/configs/compare.yaml" in names

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfuse.checkpoint import load_checkpoint, save_checkpoint
-from fedfuse.diagnostics import load_weight_vector, weight_vector
-from fedfuse.experiments.report import (
+from fedfuse.experiments.diagnostics import load_weight_vector, weight_vector
+from fedfuse.experiments.report.document import (
     Stat,
     SweepModels,
     choose_landscape_rows,
@@ -24,6 +23,7 @@ from fedfuse.experiments.report import (
     main,
     write_report,
 )
+from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.models import build_model, make_spec
 
 SPEC = make_spec("mlp", (1, 8, 8), 10, widths=(16, 12))

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.capture import capture_modules
 from fedfuse.fusion import make_fusion_method
-from fedfuse.fusion.affine import output_rows
-from fedfuse.fusion.batchnorm import reset_batchnorm_statistics
+from fedfuse.fusion.blocks.batchnorm import reset_batchnorm_statistics
+from fedfuse.fusion.blocks.space_alignment import block_assignment, block_transport
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.space_alignment import block_assignment, block_transport
 from fedfuse.models import build_model, make_spec
+from fedfuse.models.affine import output_rows
+from fedfuse.models.capture import capture_modules
 from fedfuse.models.symmetry import permute_model, random_permutations
 
 SPECS = {

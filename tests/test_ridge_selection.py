@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.affine import affine_view
-from fedfuse.fusion.least_squares import (
+from fedfuse.fusion.blocks.least_squares import (
     RIDGE_GRID,
     gcv_scores,
     gram_basis,
@@ -16,6 +15,7 @@ from fedfuse.fusion.least_squares import (
     weighted_least_squares,
 )
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.models.affine import affine_view
 
 
 def _problem(rows: int, cols: int, k: int, *, signal: float, noise: float, seed: int):

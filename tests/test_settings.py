@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from fedfuse.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import RunSettings, Scenario
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

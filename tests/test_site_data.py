@@ -8,7 +8,7 @@ from flwr.app import Context, RecordDict
 from fedfuse.clients.client_app import site_identity
 from fedfuse.clients.site import train_site
 from fedfuse.data import DataFormatError, load_dataset, load_npz_dataset, save_npz_dataset
-from fedfuse.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import RunSettings, Scenario
 
 
 def test_round_trip_keeps_images_labels_and_statistics(tmp_path):

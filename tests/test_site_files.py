@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedfuse.cli import main
+from fedfuse.cli.main import main
 from fedfuse.data import (
     DataFormatError,
     from_arrays,

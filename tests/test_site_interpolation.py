@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fedfuse.fusion import HFSites, KFSites, LocalSites, StatisticsRequest, site_statistics
-from fedfuse.fusion.affine import affine_view
+from fedfuse.fusion.blocks.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
+from fedfuse.models.affine import affine_view
 
 SPEC = mlp_spec((1, 3, 3), 3, (7, 6))
 

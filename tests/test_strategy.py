@@ -10,8 +10,10 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedfuse.clients.records import SCORES_KEY, WEIGHTS_KEY, pack_upload
 from fedfuse.clients.site import train_site
+from fedfuse.federation.scenario import RunSettings
+from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import make_fusion_method
-from fedfuse.scenario import RunSettings
+from fedfuse.io.validation import ContributionError
 from fedfuse.strategies.one_shot import (
     FusionAborted,
     OneShotFusion,
@@ -19,8 +21,6 @@ from fedfuse.strategies.one_shot import (
     wait_for_nodes,
 )
 from fedfuse.strategies.replies import decode_reply
-from fedfuse.uploads import UploadStore
-from fedfuse.validation import ContributionError
 
 SETTINGS = RunSettings(
     dataset="digits",

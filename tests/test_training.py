@@ -2,7 +2,7 @@ import torch
 
 from fedfuse.data import load_dataset
 from fedfuse.models import build_model, mlp_spec
-from fedfuse.training import TrainConfig, _augment, evaluate, train
+from fedfuse.training.loop import TrainConfig, _augment, evaluate, train
 
 
 def test_training_learns_digits_and_is_deterministic():

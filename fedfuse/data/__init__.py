@@ -7,14 +7,19 @@ Typical use::
     x, y = train.inputs(), train.labels
 """
 
-from ._common import DATA_ENV_VAR, DataFormatError, DatasetNotFoundError, resolve_data_root
-from .arrays import load_npz_dataset, save_npz_dataset
-from .cifar import UnsafePickleError, safe_pickle_load
-from .convert import from_arrays, from_image_folder, from_medmnist_npz
-from .dataset import ImageDataset
-from .idx import read_idx
-from .medmnist import read_medmnist_npz
-from .registry import available_datasets, load_dataset, register_dataset
+from fedfuse.data._common import (
+    DATA_ENV_VAR,
+    DataFormatError,
+    DatasetNotFoundError,
+    resolve_data_root,
+)
+from fedfuse.data.arrays import load_npz_dataset, save_npz_dataset
+from fedfuse.data.cifar import UnsafePickleError, safe_pickle_load
+from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz
+from fedfuse.data.dataset import ImageDataset
+from fedfuse.data.idx import read_idx
+from fedfuse.data.medmnist import read_medmnist_npz
+from fedfuse.data.registry import available_datasets, load_dataset, register_dataset
 
 __all__ = [
     "DATA_ENV_VAR",

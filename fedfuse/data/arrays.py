@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..atomic import atomic_path
-from ._common import DataFormatError
-from .dataset import ImageDataset
+from fedfuse.data._common import DataFormatError
+from fedfuse.data.dataset import ImageDataset
+from fedfuse.io.atomic import atomic_path
 
 __all__ = [
     "MIN_STD",

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._common import DataFormatError
-from .arrays import check_statistics, to_nchw
-from .dataset import ImageDataset
+from fedfuse.data._common import DataFormatError
+from fedfuse.data.arrays import check_statistics, to_nchw
+from fedfuse.data.dataset import ImageDataset
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -275,7 +275,7 @@ def from_image_folder(
 # --------------------------------------------------------------------------------- MedMNIST
 def _medmnist_classes(path: Path) -> int | None:
     """Class count of a MedMNIST file from its name (``bloodmnist.npz``, ``bloodmnist_64.npz``)."""
-    from .medmnist import _info, unsupported_medmnist
+    from fedfuse.data.medmnist import _info, unsupported_medmnist
 
     flag = re.sub(r"_\d+$", "", path.stem.lower())
     info = _info().get(flag)
@@ -302,7 +302,7 @@ def from_medmnist_npz(
     ``num_classes`` defaults to MedMNIST's metadata when the file is named after its set
     (``bloodmnist.npz``, ``bloodmnist_64.npz``); ``shape`` resizes (default: keep).
     """
-    from .medmnist import read_medmnist_npz
+    from fedfuse.data.medmnist import read_medmnist_npz
 
     path = Path(path).expanduser()
     if not path.is_file():

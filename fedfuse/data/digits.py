@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._common import check_split
-from .dataset import ImageDataset
+from fedfuse.data._common import check_split
+from fedfuse.data.dataset import ImageDataset
 
 __all__ = ["DIGITS_SEED", "DIGITS_TEST_FRACTION", "load_digits"]
 

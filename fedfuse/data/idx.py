@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
-from .dataset import ImageDataset
+from fedfuse.data._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
+from fedfuse.data.dataset import ImageDataset
 
 __all__ = ["read_idx", "load_fashion_mnist", "load_mnist"]
 

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
-from .dataset import ImageDataset
+from fedfuse.data._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
+from fedfuse.data.dataset import ImageDataset
 
 __all__ = ["load_medmnist", "medmnist_flags", "read_medmnist_npz", "unsupported_medmnist"]
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ._common import DatasetNotFoundError, check_split, resolve_data_root
-from .cifar import load_cifar10, load_cifar100
-from .dataset import ImageDataset
-from .digits import load_digits
-from .idx import load_fashion_mnist, load_mnist
-from .medmnist import load_medmnist, medmnist_flags, unsupported_medmnist
+from fedfuse.data._common import DatasetNotFoundError, check_split, resolve_data_root
+from fedfuse.data.cifar import load_cifar10, load_cifar100
+from fedfuse.data.dataset import ImageDataset
+from fedfuse.data.digits import load_digits
+from fedfuse.data.idx import load_fashion_mnist, load_mnist
+from fedfuse.data.medmnist import load_medmnist, medmnist_flags, unsupported_medmnist
 
 __all__ = [
     "DatasetNotFoundError",

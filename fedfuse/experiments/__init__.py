@@ -2,5 +2,5 @@
 partition configs), ``report`` (their tables and figures), ``speed`` and ``scale``.
 
 Submodules are imported on use (``from fedfuse.experiments import compare``), so
-``python -m fedfuse.experiments.report`` runs the module cleanly.
+``python -m fedfuse.experiments.report.document`` runs the module cleanly.
 """

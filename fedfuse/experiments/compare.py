@@ -1,8 +1,8 @@
 """``fedfuse compare``: a Hydra app that compares fusion methods across partition configs.
 
 One job = one composed config (``configs/compare.yaml`` plus overrides): the site set it names
-is trained once (:mod:`fedfuse.site_cache`), fused by the job's method, evaluated, and written
-as one JSON row under ``<output_dir>/<sweep>/rows/``. Sweep with Hydra's ``-m``::
+is trained once (:mod:`fedfuse.federation.site_cache`), fused by the job's method, evaluated, and
+written as one JSON row under ``<output_dir>/<sweep>/rows/``. Sweep with Hydra's ``-m``::
 
     fedfuse compare -m partition=sharded,dirichlet sites=2,4,8 method=kf-linear,regmean seed=0,1,2
 
@@ -42,15 +42,20 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from ..config import NON_RESULT_OPTIONS, method_from_config, method_label, settings_from_config
-from ..finetune import average_models, finetune, state_bytes
-from ..fusion import FusionInputs, FusionMethod
-from ..fusion.site_statistics import LocalSites, statistics_round_bytes
-from ..report import evaluate_fusion, write_json
-from ..runtime import PeakMemory
-from ..scenario import RunSettings, Scenario, finetune_seed
-from ..site_cache import SiteCache, site_set_key
+from fedfuse.federation.evaluation import evaluate_fusion, write_json
+from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed
+from fedfuse.federation.site_cache import SiteCache, site_set_key
+from fedfuse.fusion import FusionInputs, FusionMethod
+from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
+from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedfuse.runtime import PeakMemory
+from fedfuse.settings.hydra import (
+    NON_RESULT_OPTIONS,
+    method_from_config,
+    method_label,
+    settings_from_config,
+)
+from fedfuse.training.finetune import average_models, finetune, state_bytes
 
 log = logging.getLogger("fedfuse.experiments.compare")
 
@@ -243,7 +248,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 def _run_library(job: Job, scenario: Scenario) -> Outcome:
     """Train (or load) the sites in-process, fuse with the job's method, evaluate; then, when
     the job fine-tunes, fine-tune the fused model and evaluate that too."""
-    from ..clients.site import train_site  # the sites' own code path, as the ClientApp runs it
+    from fedfuse.clients.site import (
+        train_site,  # the sites' own code path, as the ClientApp runs it
+    )
 
     settings = replace(job.settings, strategy=job.method.name)
     threads = torch.get_num_threads()
@@ -340,7 +347,7 @@ def _finetune_library(
 ) -> dict[str, Any]:
     """The fine-tuned row's fields: ``fused`` fine-tuned on the fusion set, or on every site
     in-process and averaged (what the Flower round does), then evaluated."""
-    from ..clients.site import finetune_site
+    from fedfuse.clients.site import finetune_site
 
     s = job.settings
     started = time.perf_counter()
@@ -441,7 +448,7 @@ def _run_flower(job: Job, scenario: Scenario) -> Outcome:
     command = [
         sys.executable,
         "-m",
-        "fedfuse.cli",
+        "fedfuse.cli.main",
         "simulate",
         "--num-clients",
         str(job.sites),
@@ -534,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     """``fedfuse compare [hydra args and overrides]`` (Hydra parses ``argv``)."""
     import hydra
 
-    from ..runtime import configure_logging
+    from fedfuse.runtime import configure_logging
 
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()

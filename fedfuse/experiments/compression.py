@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import load_checkpoint, save_checkpoint
-from ..fusion import FusionInputs, make_fusion_method
-from ..importance import importance_scores
-from ..models import build_model, make_spec
-from ..runtime import configure_logging
-from ..scenario import RunSettings, Scenario
-from ..training import TrainConfig, evaluate, train
-from .speed import peak_rss_gib
+from fedfuse.experiments.speed import peak_rss_gib
+from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
+from fedfuse.models import build_model, make_spec
+from fedfuse.models.importance import importance_scores
+from fedfuse.runtime import configure_logging
+from fedfuse.training.loop import TrainConfig, evaluate, train
 
 log = logging.getLogger("fedfuse.experiments.compression")
 

@@ -113,7 +113,7 @@ def run_size(
         command = [
             sys.executable,
             "-m",
-            "fedfuse.cli",
+            "fedfuse.cli.main",
             "simulate",
             "--num-clients",
             str(sites),

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..fusion import FusionInputs, make_fusion_method, parse_options
-from ..models import build_model, make_spec
-from ..runtime import resolve_device
+from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
+from fedfuse.models import build_model, make_spec
+from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 

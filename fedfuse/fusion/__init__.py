@@ -6,11 +6,11 @@ steps, each in one place (``site_statistics``: what sites compute for statistics
 ``base`` (the interface, options and configs), ``inputs`` (checking and resolving
 :class:`FusionInputs`: scores, model and head weights, levels), ``matching`` (neuron costs and
 the Hungarian assignment), ``kmeans``, ``least_squares``, ``alignment``, ``affine``, ``costs``,
-``repair``; training loops live in :mod:`fedfuse.training`.
+``repair``; training loops live in :mod:`fedfuse.training.loop`.
 """
 
-from .averaging import FedAvg, VanillaAveraging, average_state_dicts
-from .base import (
+from fedfuse.fusion.averaging import FedAvg, VanillaAveraging, average_state_dicts
+from fedfuse.fusion.base import (
     FUSION_METHODS,
     FusionInputs,
     FusionMethod,
@@ -20,11 +20,11 @@ from .base import (
     parse_options,
     register_fusion_method,
 )
-from .distillation import KnowledgeDistillation, LinearProbe
-from .fedma import FedMAMatching
-from .fs_merge import FSMerge
-from .git_rebasin import GitReBasin
-from .neuron_interpolation import (
+from fedfuse.fusion.distillation import KnowledgeDistillation, LinearProbe
+from fedfuse.fusion.fedma import FedMAMatching
+from fedfuse.fusion.fs_merge import FSMerge
+from fedfuse.fusion.git_rebasin import GitReBasin
+from fedfuse.fusion.neuron_interpolation import (
     GRADIENT_PRESETS,
     HFGradient,
     HFLinear,
@@ -32,10 +32,15 @@ from .neuron_interpolation import (
     KFLinear,
     NeuronInterpolation,
 )
-from .otfusion import OTFusion
-from .regmean import RegMean
-from .site_interpolation import HFSites, KFSites, SiteInterpolation
-from .site_statistics import LocalSites, SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.otfusion import OTFusion
+from fedfuse.fusion.regmean import RegMean
+from fedfuse.fusion.site_interpolation import HFSites, KFSites, SiteInterpolation
+from fedfuse.fusion.site_statistics import (
+    LocalSites,
+    SiteStatistics,
+    StatisticsRequest,
+    site_statistics,
+)
 
 __all__ = [
     "GRADIENT_PRESETS",

@@ -8,8 +8,8 @@ Every state-dict entry is averaged, BatchNorm running statistics included; integ
 (BatchNorm's ``num_batches_tracked``) get the rounded weighted average. Any architecture
 (MLP, VGG, ResNet, ViT) works. With ``reset_batchnorm=True`` (off by default, so FedAvg stays
 the plain reference) the fused model's BatchNorm running statistics are then recomputed on the
-fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`), which the option then
-requires; models without BatchNorm are unaffected.
+fusion set (:func:`~fedfuse.fusion.blocks.batchnorm.reset_batchnorm_statistics`), which the option
+then requires; models without BatchNorm are unaffected.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..models import LeveledModel, ModelSpec, build_model
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .batchnorm import has_batchnorm, reset_batchnorm_statistics
-from .inputs import sample_counts
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
+from fedfuse.fusion.inputs import sample_counts
+from fedfuse.models import LeveledModel, ModelSpec, build_model
 
 
 def average_state_dicts(

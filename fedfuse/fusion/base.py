@@ -21,10 +21,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..models import LeveledModel, ModelSpec, build_model
-from ..runtime import check_device
-from .alignment import affine_levels
-from .inputs import FusionInputs, check_inputs
+from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.fusion.inputs import FusionInputs, check_inputs
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.runtime import check_device
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ class FusionMethod(ABC):
         (paper Sec. 5.5.2), open to retargetable methods.
         """
         inputs = inputs or FusionInputs()
-        models = list(models)  # a lazy sequence (fedfuse.uploads) loads each model once here
+        models = list(
+            models
+        )  # a lazy sequence (fedfuse.federation.uploads) loads each model once here
         compressing = len(models) == 1 and target is not None and target != models[0].spec
         if compressing and not self.retargetable:
             raise ValueError(

@@ -37,18 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..capture import predict
-from ..models import LeveledModel, ModelSpec, build_model
-from ..runtime import resolve_device
-from ..training import (
+from fedfuse.fusion.averaging import average_state_dicts
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.capture import predict
+from fedfuse.runtime import resolve_device
+from fedfuse.training.loop import (
     OPTIMIZERS,
     fit_with_early_stopping,
     holdout_split,
     make_optimizer,
     make_scheduler,
 )
-from .averaging import average_state_dicts
-from .base import FusionInputs, FusionMethod, register_fusion_method
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def fit_to_teacher(
     r"""Minimise ``kd_weight * L_KD + ce_weight * CE`` of ``forward(inputs[i])`` over the set.
 
     Only ``module``'s parameters with ``requires_grad`` are optimised, by
-    :func:`~fedfuse.training.fit_with_early_stopping`: a share ``val_split`` of the rows (none
+    :func:`~fedfuse.training.loop.fit_with_early_stopping`: a share ``val_split`` of the rows (none
     below 10 rows) is held out, the loss on it (else on the training rows) is measured after
     each epoch, training stops after ``patience`` epochs without improvement (0: never), and the
     best state of ``module`` is restored. The learning rate follows one cosine cycle over the
@@ -252,7 +252,7 @@ class KnowledgeDistillation(FusionMethod):
         ce_weight: :math:`\alpha`, the share of cross-entropy on the fusion labels (0: none).
         epochs, lr, batch_size, weight_decay, optimizer: the optimisation (``"adamw"``,
             ``"adam"`` or ``"sgd"`` with Nesterov momentum 0.9; see
-            :func:`~fedfuse.training.make_optimizer`), one cosine cycle.
+            :func:`~fedfuse.training.loop.make_optimizer`), one cosine cycle.
         val_split, patience: held-out share of the fusion set and early-stopping patience in
             epochs (0: never stop early); the best state on it is kept.
         seed: seeds ``"fresh"`` students, the split and the batch order.

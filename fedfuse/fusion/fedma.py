@@ -73,12 +73,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models import LeveledModel, ModelSpec, build_model
-from .affine import AffineLevel, affine_view
-from .alignment import affine_levels, incoming_by_channel
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .inputs import check_levels, head_weights
-from .matching import linear_assignment
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.alignment import affine_levels, incoming_by_channel
+from fedfuse.fusion.blocks.matching import linear_assignment
+from fedfuse.fusion.inputs import check_levels, head_weights
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import AffineLevel, affine_view
 
 #: architectures built of residual blocks, which FedMA's layer-wise matching does not cover
 _RESIDUAL_ARCHS = frozenset({"resnet", "vit"})

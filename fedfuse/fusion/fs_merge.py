@@ -83,11 +83,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..capture import capture_levels
-from ..models import LeveledModel, ModelSpec
-from ..models.symmetry import feature_spaces
-from ..runtime import resolve_device
-from ..training import (
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.fusion.fs_merge_spaces import SpaceSuperNet, check_supported, head_input, probe_rows
+from fedfuse.fusion.inputs import check_levels
+from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models.affine import AffineLevel, output_rows
+from fedfuse.models.capture import capture_levels
+from fedfuse.models.symmetry import feature_spaces
+from fedfuse.runtime import resolve_device
+from fedfuse.training.loop import (
     OPTIMIZERS,
     SCHEDULERS,
     fit_with_early_stopping,
@@ -95,11 +100,6 @@ from ..training import (
     make_optimizer,
     make_scheduler,
 )
-from .affine import AffineLevel, output_rows
-from .alignment import affine_levels
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .fs_merge_spaces import SpaceSuperNet, check_supported, head_input, probe_rows
-from .inputs import check_levels
 
 log = logging.getLogger(__name__)
 
@@ -823,7 +823,7 @@ class FSMerge(FusionMethod):
     ) -> dict[str, Any]:
         """Minimise the (normalised) reconstruction error of ``predict(idx)`` to ``targets[idx]``.
 
-        :func:`~fedfuse.training.fit_with_early_stopping`, evaluating the monitored loss
+        :func:`~fedfuse.training.loop.fit_with_early_stopping`, evaluating the monitored loss
         (validation rows if any, else training rows) about ``eval_points`` times and keeping the
         best parameters; ``"sgd"`` is classical momentum ``schedule.momentum``.
         """

@@ -54,8 +54,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..models import LeveledModel
-from ..models.symmetry import FeatureSpace, feature_spaces
+from fedfuse.models import LeveledModel
+from fedfuse.models.symmetry import FeatureSpace, feature_spaces
 
 NORMS = (nn.LayerNorm, nn.GroupNorm)
 
@@ -131,7 +131,7 @@ class SpaceSuperNet(nn.Module):
         """``inits[space] = (assign, merge_diagonal)`` for the :class:`FoldableMatrix` of every
         site of that space (unmerge diagonal: ones)."""
         super().__init__()
-        from .fs_merge import FoldableMatrix  # local: fs_merge imports this module
+        from fedfuse.fusion.fs_merge import FoldableMatrix  # local: fs_merge imports this module
 
         self.count = len(models)
         skeleton = copy.deepcopy(models[0]).eval().requires_grad_(False)

@@ -14,10 +14,11 @@ the permutation of ``B``'s neurons onto ``A``'s solves the linear assignment pro
         \bigl\lVert z^A_i - z^B_{\pi(i)} \bigr\rVert^2 \quad\text{(``"l2"``)},
 
 with :math:`\operatorname{corr}` the Pearson correlation over the rows (each neuron
-standardised), solved exactly by :func:`~fedfuse.fusion.matching.linear_assignment` (Hungarian).
-``B``'s neurons are reordered with :func:`~fedfuse.fusion.alignment.permute_level` (the next
-level's inputs follow, so ``B``'s function is unchanged) and the two are averaged. The classifier's
-outputs (the classes) are never permuted.
+standardised), solved exactly by :func:`~fedfuse.fusion.blocks.matching.linear_assignment`
+(Hungarian). ``B``'s neurons are reordered with
+:func:`~fedfuse.fusion.blocks.alignment.permute_level` (the next level's inputs follow, so ``B``'s
+function is unchanged) and the two are averaged. The classifier's outputs (the classes) are never
+permuted.
 
 Averaging: uniform, or by sample counts (``weighted_average``), or per neuron by importance
 (``use_scores``, the paper's App. C, as in Hungarian Fusion): with ``s^A_i`` and ``s^B_{\pi(i)}``
@@ -32,12 +33,13 @@ where :math:`w_i` is neuron ``i``'s *whole* incoming weight row: the neuron's ow
 to all its incoming weights (the next level's inputs are not reweighted by the previous level's
 scores). ``lambda_i = c_A / (c_A + c_B)`` when both scores are 0. The classifier rows are averaged
 with ``c_A, c_B`` only (class logits have no neuron scores to pair). Optionally followed by
-:func:`~fedfuse.fusion.repair.repair` with ``A`` and the permuted ``B`` and ``alpha = (c_A, c_B)``.
+:func:`~fedfuse.fusion.blocks.repair.repair` with ``A`` and the permuted ``B`` and ``alpha = (c_A,
+c_B)``.
 
 Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
 with every option. Any other model whose neuron symmetries
 :func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
-path (:mod:`fedfuse.fusion.space_alignment`): per feature space (a ResNet residual stream or
+path (:mod:`fedfuse.fusion.blocks.space_alignment`): per feature space (a ResNet residual stream or
 block interior; the ViT residual stream, each block's query/key dims, value dims and MLP hidden
 units), the same cost summed over the space's probes (every module output holding its
 features), the Hungarian permutation (per attention head for grouped spaces), applied to every
@@ -47,9 +49,10 @@ features, same cost), but ``use_scores`` and ``repair`` (which fold into affine 
 refused by :meth:`GitReBasin.check_architecture`.
 
 BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
-are recomputed on the fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`,
-the paper's "reset BN" and REPAIR's BatchNorm form); without it they are the averaged aligned
-statistics. Models without BatchNorm are unaffected.
+are recomputed on the fusion set
+(:func:`~fedfuse.fusion.blocks.batchnorm.reset_batchnorm_statistics`, the paper's "reset BN" and
+REPAIR's BatchNorm form); without it they are the averaged aligned statistics. Models without
+BatchNorm are unaffected.
 
 Reference: S. K. Ainsworth, J. Hayase, S. Srinivasa. "Git Re-Basin: Merging Models modulo
 Permutation Symmetries". ICLR 2023 (arXiv:2209.04836, 2022).
@@ -64,25 +67,25 @@ from typing import Any
 
 import torch
 
-from ..capture import capture_levels
-from ..importance import SCORE_METHODS
-from ..models import LeveledModel, ModelSpec, build_model
-from ..models.symmetry import permutation_matrix
-from ..runtime import resolve_device
-from .alignment import affine_levels, permute_level
-from .averaging import average_state_dicts
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .batchnorm import has_batchnorm, reset_batchnorm_statistics
-from .inputs import averaging_weights, check_levels, resolve_scores
-from .matching import correlation, linear_assignment, squared_distances
-from .repair import repair as repair_model
-from .space_alignment import (
+from fedfuse.fusion.averaging import average_state_dicts
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
+from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
+from fedfuse.fusion.blocks.matching import correlation, linear_assignment, squared_distances
+from fedfuse.fusion.blocks.repair import repair as repair_model
+from fedfuse.fusion.blocks.space_alignment import (
     align_model,
     block_assignment,
     capture_space,
     check_feature_spaces,
     space_cost,
 )
+from fedfuse.fusion.inputs import averaging_weights, check_levels, resolve_scores
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.capture import capture_levels
+from fedfuse.models.importance import SCORE_METHODS
+from fedfuse.models.symmetry import permutation_matrix
+from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ def match_neurons(
 
     Returns:
         ``permutation`` (``b``'s neuron matched to ``a``'s neuron ``i``; use it with
-        :func:`~fedfuse.fusion.alignment.permute_level`) and the mean matched correlation or
+        :func:`~fedfuse.fusion.blocks.alignment.permute_level`) and the mean matched correlation or
         squared distance.
     """
     if cost not in MATCHING_COSTS:

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..importance import Scores, importance_scores, normalize_scores, uniform_scores
-from ..models import LeveledModel, ModelSpec
-from ..validation import validate_scores
-from .alignment import affine_levels
+from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.io.validation import validate_scores
+from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models.importance import Scores, importance_scores, normalize_scores, uniform_scores
 
 log = logging.getLogger(__name__)
 

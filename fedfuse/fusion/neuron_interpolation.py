@@ -27,19 +27,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..capture import capture_levels
-from ..importance import SCORE_METHODS
-from ..models import LeveledModel, ModelSpec, build_model, corresponding_levels
-from ..runtime import resolve_device
-from ..training import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
-from .affine import affine_view, output_rows
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .batchnorm import refold_batchnorm_statistics
-from .costs import cluster_targets, representation_cost
-from .inputs import head_weights as resolve_head_weights
-from .inputs import resolve_scores
-from .kmeans import point_costs, weighted_centers, weighted_kmeans
-from .least_squares import (
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.batchnorm import refold_batchnorm_statistics
+from fedfuse.fusion.blocks.costs import cluster_targets, representation_cost
+from fedfuse.fusion.blocks.kmeans import point_costs, weighted_centers, weighted_kmeans
+from fedfuse.fusion.blocks.least_squares import (
     RIDGE_GRID,
     GramSpectrum,
     KernelSpectrum,
@@ -50,7 +42,15 @@ from .least_squares import (
     kernel_basis,
     kernel_spectrum,
 )
-from .matching import linear_assignment, pair_labels
+from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
+from fedfuse.fusion.inputs import head_weights as resolve_head_weights
+from fedfuse.fusion.inputs import resolve_scores
+from fedfuse.models import LeveledModel, ModelSpec, build_model, corresponding_levels
+from fedfuse.models.affine import affine_view, output_rows
+from fedfuse.models.capture import capture_levels
+from fedfuse.models.importance import SCORE_METHODS
+from fedfuse.runtime import resolve_device
+from fedfuse.training.loop import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class GradientPreset:
     """Hyper-parameters of the Gradient variant (paper Table 9).
 
     ``optimizer``/``last_optimizer`` (hidden levels / the classifier) are
-    :func:`~fedfuse.training.make_optimizer` names; ``"sgd"`` here is classical momentum 0.9.
+    :func:`~fedfuse.training.loop.make_optimizer` names; ``"sgd"`` here is classical momentum 0.9.
     """
 
     optimizer: str
@@ -104,8 +104,8 @@ class NeuronInterpolation(FusionMethod):
         head_weights: weight each model's logit of class c by its share of class c's samples.
         ridge: Linear: ridge penalty relative to the mean eigenvalue of the level's Gram matrix.
             0 fits exactly, a number is used on every level; None (auto) chooses it per level
-            from the fusion set over :data:`~fedfuse.fusion.least_squares.RIDGE_GRID`: by exact
-            leave-one-out where the fan-in exceeds the rows (kernel route), by generalised
+            from the fusion set over :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID`: by
+            exact leave-one-out where the fan-in exceeds the rows (kernel route), by generalised
             cross-validation elsewhere (gram route), each fused neuron's error weighted by its
             cluster's importance. The details of each level record ``ridge``,
             ``ridge_criterion`` (``"loo"``, ``"gcv"`` or ``"fixed"``) and, when chosen,
@@ -649,9 +649,9 @@ def _fit_level(
 ) -> FitResult:
     """Minimise the (optionally neuron-weighted) MSE of ``level(inputs)`` to ``targets``.
 
-    :func:`~fedfuse.training.fit_with_early_stopping` with ``val_split`` held out, ``patience``,
-    the best weights restored; the starting weights never count as the best (Table 9's fit
-    always takes a trained state); ``"sgd"`` is classical momentum 0.9, no schedule.
+    :func:`~fedfuse.training.loop.fit_with_early_stopping` with ``val_split`` held out,
+    ``patience``, the best weights restored; the starting weights never count as the best (Table
+    9's fit always takes a trained state); ``"sgd"`` is classical momentum 0.9, no schedule.
     """
     shape = [1, -1] + [1] * (targets.dim() - 2)
     w = None if neuron_weights is None else neuron_weights.view(*shape).to(targets.device)
@@ -677,7 +677,8 @@ def _fit_level(
 class _EvalModeNorms(nn.Module):
     """``level`` whose BatchNorms stay in eval mode while it trains: a fused level is fitted as
     the fixed function it computes at test time (a BatchNorm is then an affine map); its running
-    statistics are set afterwards by :func:`~fedfuse.fusion.batchnorm.refold_batchnorm_statistics`.
+    statistics are set afterwards by
+    :func:`~fedfuse.fusion.blocks.batchnorm.refold_batchnorm_statistics`.
     """
 
     def __init__(self, level: nn.Module) -> None:

@@ -26,7 +26,8 @@ become :math:`W_\ell \leftarrow T W_\ell` (weights and bias) and the next level'
 re-expressed, :math:`W_{\ell+1} \leftarrow W_{\ell+1} T^\top` (per input channel, so
 convolution -> flatten -> linear works). The classifier's outputs (the classes) are never
 transported. The fused model is then the average of the reference and the aligned models,
-uniform or weighted by sample counts; optionally followed by :func:`~fedfuse.fusion.repair.repair`.
+uniform or weighted by sample counts; optionally followed by
+:func:`~fedfuse.fusion.blocks.repair.repair`.
 
 With uniform marginals on equal widths, EMD's plan is a permutation (divided by ``n``), so this
 is then the same as a Hungarian matching on the same cost. Activations are those of the
@@ -36,8 +37,8 @@ those of the realigned model; for a soft map they are a cheaper proxy.
 Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
 with every option. Any other model whose neuron symmetries
 :func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
-path (:mod:`fedfuse.fusion.space_alignment`), as in Imfeld et al. (2023) for Transformers: each
-feature space gets *one* transport map, applied consistently on every axis it indexes. For the
+path (:mod:`fedfuse.fusion.blocks.space_alignment`), as in Imfeld et al. (2023) for Transformers:
+each feature space gets *one* transport map, applied consistently on every axis it indexes. For the
 ViT residual stream that is the patch embedding, class token and position embedding, every
 LayerNorm's parameters, the input side of Q/K/V and of the MLP, the output side of the attention
 projection and of the MLP, and the head; Q/K (jointly) and V/O are transported within each
@@ -50,9 +51,10 @@ by :meth:`OTFusion.check_architecture`; models of different widths are never fus
 models share one spec and the fused model has it).
 
 BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
-are recomputed on the fusion set (:func:`~fedfuse.fusion.batchnorm.reset_batchnorm_statistics`):
-a soft transport map mixes the running variances linearly, which is only right for a
-permutation. Models without BatchNorm are unaffected.
+are recomputed on the fusion set
+(:func:`~fedfuse.fusion.blocks.batchnorm.reset_batchnorm_statistics`): a soft transport map mixes
+the running variances linearly, which is only right for a permutation. Models without BatchNorm are
+unaffected.
 
 References: S. P. Singh, M. Jaggi. "Model Fusion via Optimal Transport". NeurIPS 2020.
 M. Imfeld, J. Graldi, M. Giordano, T. Hofmann, S. Anagnostidis, S. P. Singh. "Transformer
@@ -72,18 +74,13 @@ import numpy as np
 import ot
 import torch
 
-from ..capture import capture_levels
-from ..importance import SCORE_METHODS
-from ..models import LeveledModel, ModelSpec, build_model
-from ..runtime import resolve_device
-from .alignment import affine_levels, map_incoming, map_outgoing
-from .averaging import average_state_dicts
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .batchnorm import has_batchnorm, reset_batchnorm_statistics
-from .inputs import averaging_weights, check_levels, resolve_scores
-from .matching import squared_distances
-from .repair import repair as repair_model
-from .space_alignment import (
+from fedfuse.fusion.averaging import average_state_dicts
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.alignment import affine_levels, map_incoming, map_outgoing
+from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
+from fedfuse.fusion.blocks.matching import squared_distances
+from fedfuse.fusion.blocks.repair import repair as repair_model
+from fedfuse.fusion.blocks.space_alignment import (
     align_model,
     block_transport,
     capture_space,
@@ -91,6 +88,11 @@ from .space_alignment import (
     is_permutation,
     space_cost,
 )
+from fedfuse.fusion.inputs import averaging_weights, check_levels, resolve_scores
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.capture import capture_levels
+from fedfuse.models.importance import SCORE_METHODS
+from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 r"""RegMean: merge each affine level by the least-squares fit of all clients' outputs (Jin et al.).
 
 For a neuron level with client weights ``W_i`` (``(fan_in + 1, out)``, bias row included, see
-:mod:`fedfuse.fusion.affine`) and client ``i``'s design matrix ``X_i`` (the level's inputs on
+:mod:`fedfuse.models.affine`) and client ``i``'s design matrix ``X_i`` (the level's inputs on
 its own training data, with a trailing 1; unfolded patches for convolutions), RegMean picks the
 weights whose outputs are closest to every client's own outputs on that client's inputs:
 
@@ -57,9 +57,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import LeveledModel, ModelSpec, build_model
-from .affine import _patches, affine_view, output_rows
-from .base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import _patches, affine_view, output_rows
 
 log = logging.getLogger(__name__)
 

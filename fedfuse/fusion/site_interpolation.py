@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..models import LeveledModel, ModelSpec, build_model
-from .affine import affine_view
-from .base import FusionInputs, FusionMethod, register_fusion_method
-from .inputs import check_levels, resolve_scores
-from .kmeans import weighted_centers, weighted_kmeans
-from .least_squares import RIDGE_GRID, ridge_fit
-from .matching import linear_assignment, pair_labels
-from .site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
+from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
+from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
+from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
+from fedfuse.fusion.inputs import check_levels, resolve_scores
+from fedfuse.fusion.site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import affine_view
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class SiteInterpolation(FusionMethod):
         use_scores: weight neurons by the sites' importance scores (else uniformly).
         score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
         ridge: relative ridge of every level's fit; None chooses it per level by GCV over
-            :data:`~fedfuse.fusion.least_squares.RIDGE_GRID` from the sites' statistics.
+            :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID` from the sites' statistics.
         max_samples: samples of each site used for its statistics (None: all).
         statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
         gram_rank: compress each site's Gram of levels wider than this to its top eigenpairs

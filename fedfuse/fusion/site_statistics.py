@@ -36,10 +36,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..models import LeveledModel
-from ..runtime import resolve_device
-from .affine import affine_view, output_rows
-from .least_squares import ridge_fit, symmetric_eigh
+from fedfuse.fusion.blocks.least_squares import ridge_fit, symmetric_eigh
+from fedfuse.models import LeveledModel
+from fedfuse.models.affine import affine_view, output_rows
+from fedfuse.runtime import resolve_device
 
 #: wire precision of the statistics (sums are accumulated in float64 either way)
 STATISTICS_DTYPES = {"float64": torch.float64, "float32": torch.float32}

@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import torch
 
-from .ensemble import Ensemble
-from .leveled import LeveledModel, corresponding_levels
-from .mlp import build_mlp, mlp_spec
-from .resnet import build_resnet, resnet_spec
-from .spec import ModelSpec
-from .vgg import build_vgg11, vgg11_spec
-from .vit import build_vit, vit_spec
+from fedfuse.models.ensemble import Ensemble
+from fedfuse.models.leveled import LeveledModel, corresponding_levels
+from fedfuse.models.mlp import build_mlp, mlp_spec
+from fedfuse.models.resnet import build_resnet, resnet_spec
+from fedfuse.models.spec import ModelSpec
+from fedfuse.models.vgg import build_vgg11, vgg11_spec
+from fedfuse.models.vit import build_vit, vit_spec
 
 ARCHITECTURES: dict[str, Callable[[ModelSpec], LeveledModel]] = {
     "mlp": build_mlp,

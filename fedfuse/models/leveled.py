@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .spec import ModelSpec
+from fedfuse.models.spec import ModelSpec
 
 
 class LeveledModel(nn.Module):

@@ -6,8 +6,8 @@ import math
 
 from torch import nn
 
-from .leveled import LeveledModel
-from .spec import ModelSpec
+from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.spec import ModelSpec
 
 
 def mlp_spec(

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .leveled import LeveledModel
-from .spec import ModelSpec
+from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.spec import ModelSpec
 
 #: blocks per stage of the standard depths
 DEPTHS: dict[int, tuple[int, ...]] = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .leveled import LeveledModel
+from fedfuse.models.leveled import LeveledModel
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _batchnorm(prefix: str) -> tuple[Axis, ...]:
 
 def _affine_spaces(model: LeveledModel) -> list[FeatureSpace]:
     """MLP and VGG: each hidden affine level is a space; the next neuron level consumes it."""
-    from ..fusion.affine import affine_view  # local: fusion imports models
+    from fedfuse.models.affine import affine_view  # local: fusion imports models
 
     names = {id(m): name for name, m in model.named_modules()}
     levels = model.neuron_levels
@@ -181,7 +181,7 @@ def _affine_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
 
 def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from .resnet import BasicBlock, Stem
+    from fedfuse.models.resnet import BasicBlock, Stem
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []
@@ -229,7 +229,7 @@ def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
 
 def _vit_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from .vit import EncoderBlock, PatchEmbedding
+    from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .leveled import LeveledModel
-from .spec import ModelSpec
+from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.spec import ModelSpec
 
 #: VGG11 feature layout: conv widths, with "M" for 2x2 max-pooling.
 VGG11_LAYOUT: tuple[int | str, ...] = (

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .leveled import LeveledModel
-from .spec import ModelSpec
+from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.spec import ModelSpec
 
 
 class PatchEmbedding(nn.Module):

@@ -4,8 +4,8 @@ Three small MLPs (seeds 10, 11, 12, each trained for a few full-batch steps on i
 site data), a fixed fusion set, fixed scores, sample and class counts and level Grams. Every case
 below fuses the first 2 or 3 models with one registered method and its options (the trainers
 with few epochs) and records the fused model's logits on a fixed probe batch; two more cases
-record :func:`fedfuse.training.train`. ``tests/test_method_regression.py`` recomputes every case
-and compares, so a refactoring that changes any method's numbers fails there.
+record :func:`fedfuse.training.loop.train`. ``tests/test_method_regression.py`` recomputes every
+case and compares, so a refactoring that changes any method's numbers fails there.
 
 Regenerate only on purpose (the file pins the code it was made from), from the repository root::
 
@@ -31,7 +31,7 @@ from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import LeveledModel, build_model, make_spec
-from fedfuse.training import TrainConfig, train
+from fedfuse.training.loop import TrainConfig, train
 
 FIXTURE = Path(__file__).with_name("method_regression.json")
 SPEC = make_spec("mlp", (1, 8, 8), 4, widths=(16, 12))
@@ -172,7 +172,7 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-#: local training (fedfuse.training.train) on model 0's site data, pinned the same way
+#: local training (fedfuse.training.loop.train) on model 0's site data, pinned the same way
 TRAIN_CASES = {
     "train adamw": TrainConfig(epochs=2, batch_size=32, lr=3e-3, warmup_epochs=0.5),
     "train sgd": TrainConfig(

@@ -1,0 +1,283 @@
+"""Sites' uploads: what one site sends once, and the run directory that keeps every upload.
+
+A server never needs every upload in memory at once. :class:`UploadStore` writes each upload to
+``<run>/clients/client_<partition id>.safetensors`` (weights, importance scores, optional Gram
+matrices and the site's facts, see :mod:`fedfuse.io.checkpoint`) the moment it is accepted, and
+hands fusion methods lazy sequences: a model is loaded memory-mapped only when a method asks for
+it, and a site's Gram matrices only while RegMean sums them. The same directory is what
+``fedfuse fuse <run dir>`` fuses again with another method, long after the sites went home.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+
+from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedfuse.io.validation import ContributionError, validate_partition, validate_site_facts
+from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models.importance import Scores
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_FILE = re.compile(r"client_(\d+)\.safetensors")
+
+
+@dataclass
+class ClientUpload:
+    """What one site sends to the server after local training."""
+
+    model: LeveledModel
+    scores: Scores
+    num_examples: int
+    class_counts: list[int]
+    partition_id: int
+    num_partitions: int
+    score_method: str
+    init: str
+    train_loss: float
+    grams: dict[int, torch.Tensor] | None = None
+    #: wall time of the site's phases (load, train, score, grams), as the site reported it
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def payload_bytes(self) -> int:
+        """Bytes of the tensors the site uploads: weights, scores and Grams when sent."""
+        tensors = [*self.model.state_dict().values(), *self.scores.values()]
+        tensors += list((self.grams or {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def facts(self) -> dict[str, Any]:
+        """The site's facts, JSON-ready (what results files and checkpoint metadata record)."""
+        return {
+            "upload_bytes": self.payload_bytes(),
+            "partition_id": self.partition_id,
+            "num_partitions": self.num_partitions,
+            "num_examples": self.num_examples,
+            "class_counts": list(self.class_counts),
+            "train_loss": self.train_loss,
+            "score_method": self.score_method,
+            "init": self.init,
+            "seconds": dict(self.seconds),
+        }
+
+
+class LazySequence(Sequence[T], Generic[T]):
+    """A read-only sequence whose items are produced by a loader on every access (no caching).
+
+    Fusion methods iterate over models and Gram matrices; with this sequence only the item in
+    use has to be in memory, and whatever a method drops is freed.
+    """
+
+    def __init__(self, size: int, load: Callable[[int], T]) -> None:
+        self._size = size
+        self._load = load
+
+    def __len__(self) -> int:
+        return self._size
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return [self._load(i) for i in range(*index.indices(self._size))]
+        if not -self._size <= index < self._size:
+            raise IndexError(f"index {index} out of range for {self._size} items")
+        return self._load(index % self._size)
+
+    def __iter__(self) -> Iterator[T]:
+        return (self._load(i) for i in range(self._size))
+
+
+@dataclass(frozen=True)
+class StoredUpload:
+    """One site's upload as kept on disk: the file and the small facts kept in memory."""
+
+    path: Path
+    partition_id: int
+    num_partitions: int
+    num_examples: int
+    class_counts: list[int]
+    scores: Scores | None
+    has_grams: bool
+    source: str
+    facts: dict[str, Any]
+
+
+class UploadStore:
+    """The uploads of one run, one checkpoint file per site, in ``directory``.
+
+    Args:
+        directory: where the site files live (created when missing).
+        expected_spec: the architecture every upload must have (None: the first one's).
+    """
+
+    def __init__(self, directory: str | Path, *, expected_spec: ModelSpec | None = None) -> None:
+        self.directory = Path(directory)
+        self.expected_spec = expected_spec
+        self._entries: dict[int, StoredUpload] = {}
+
+    # ------------------------------------------------------------------ writing
+    def add(
+        self, upload: ClientUpload, *, source: str, metadata: dict[str, Any] | None = None
+    ) -> StoredUpload:
+        """Write ``upload`` to the store; a second upload for a partition id is refused.
+
+        Raises:
+            ContributionError: naming ``source``, when the partition id was already uploaded or
+                the architecture differs from the store's.
+        """
+        pid = upload.partition_id
+        if pid in self._entries:
+            raise ContributionError(
+                f"{source}: partition-id {pid} was already uploaded by "
+                f"{self._entries[pid].source}; its upload is ignored"
+            )
+        spec = upload.model.spec
+        if self.expected_spec is not None and spec != self.expected_spec:
+            raise ContributionError(
+                f"{source}: sent architecture {spec.to_dict()}, the run expects "
+                f"{self.expected_spec.to_dict()}"
+            )
+        path = self.directory / f"client_{pid}.safetensors"
+        if path.exists():
+            raise ContributionError(
+                f"{source}: {path} already exists; a store never overwrites a site's file"
+            )
+        facts = {**upload.facts(), "source": source}
+        save_checkpoint(
+            path,
+            upload.model,
+            scores=upload.scores or None,
+            grams=upload.grams,
+            metadata={**(metadata or {}), **facts},
+        )
+        self.expected_spec = self.expected_spec or spec
+        entry = StoredUpload(
+            path=path,
+            partition_id=pid,
+            num_partitions=upload.num_partitions,
+            num_examples=upload.num_examples,
+            class_counts=list(upload.class_counts),
+            scores=upload.scores or None,
+            has_grams=upload.grams is not None,
+            source=source,
+            facts=facts,
+        )
+        self._entries[pid] = entry
+        return entry
+
+    def discard(self, partition_id: int, reason: str) -> None:
+        """Drop an accepted upload from fusion (its file stays, renamed ``*.rejected``)."""
+        entry = self._entries.pop(partition_id)
+        entry.path.replace(entry.path.with_suffix(".rejected"))
+        log.warning("dropped %s: %s", entry.source, reason)
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def open(cls, directory: str | Path) -> UploadStore:
+        """The store of an earlier run: every ``client_<id>.safetensors`` in ``directory``.
+
+        Each file is validated (weights, scores, site facts) as it is indexed; its weights are
+        not kept in memory.
+
+        Raises:
+            CheckpointError: naming the first unusable file.
+            FileNotFoundError: when ``directory`` holds no site file.
+        """
+        directory = Path(directory)
+        files = sorted(
+            (int(m.group(1)), p)
+            for p in directory.glob("client_*.safetensors")
+            if (m := _FILE.fullmatch(p.name))
+        )
+        if not files:
+            raise FileNotFoundError(f"{directory}: no client_<id>.safetensors site files")
+        store = cls(directory)
+        for pid, path in files:
+            checkpoint = load_checkpoint(path)
+            meta = checkpoint.metadata
+            source = str(path)
+            try:
+                count, counts = validate_site_facts(
+                    meta.get("num_examples"),
+                    meta.get("class_counts"),
+                    checkpoint.model.spec.num_classes,
+                    source=source,
+                )
+                file_pid, total = validate_partition(
+                    meta.get("partition_id", pid), meta.get("num_partitions", 0), source=source
+                )
+            except ContributionError as error:
+                raise CheckpointError(str(error)) from None
+            if file_pid != pid:
+                raise CheckpointError(f"{path}: metadata says partition_id {file_pid}")
+            if store.expected_spec is not None and checkpoint.model.spec != store.expected_spec:
+                raise CheckpointError(
+                    f"{path}: architecture {checkpoint.model.spec.to_dict()} differs from "
+                    f"{files[0][1]}'s {store.expected_spec.to_dict()}"
+                )
+            store.expected_spec = checkpoint.model.spec
+            with_grams = _has_grams(path)
+            store._entries[pid] = StoredUpload(
+                path=path,
+                partition_id=pid,
+                num_partitions=total,
+                num_examples=count,
+                class_counts=counts,
+                scores=checkpoint.scores,
+                has_grams=with_grams,
+                source=str(meta.get("source", path)),
+                facts={k: v for k, v in meta.items() if k not in ("settings",)},
+            )
+        return store
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def entries(self) -> list[StoredUpload]:
+        """The accepted uploads, by partition id."""
+        return [self._entries[pid] for pid in sorted(self._entries)]
+
+    def models(self) -> LazySequence[LeveledModel]:
+        """The sites' models by partition id, each loaded (memory-mapped) when accessed."""
+        paths = [e.path for e in self.entries]
+        return LazySequence(len(paths), lambda i: load_checkpoint(paths[i]).model)
+
+    def grams(self) -> LazySequence[dict[int, torch.Tensor]] | None:
+        """Every site's Gram matrices, loaded one site at a time; None unless all sent them."""
+        entries = self.entries
+        if not entries or not all(e.has_grams for e in entries):
+            return None
+        paths = [e.path for e in entries]
+
+        def load(index: int) -> dict[int, torch.Tensor]:
+            grams = load_checkpoint(paths[index], with_grams=True).grams
+            assert grams is not None
+            return grams
+
+        return LazySequence(len(paths), load)
+
+    def scores(self) -> list[Scores] | None:
+        """Every site's importance scores; None unless all sent them."""
+        scores = [e.scores for e in self.entries]
+        return None if any(s is None for s in scores) else scores  # type: ignore[return-value]
+
+
+def _has_grams(path: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return any(name.startswith("grams.") for name in handle.keys())  # noqa: SIM118

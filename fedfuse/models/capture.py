@@ -1,0 +1,192 @@
+"""Activation capture: the inputs and outputs of a model's levels on a batch of data.
+
+Every fusion method that looks at representations (neuron interpolation, OTFusion, Git Re-Basin,
+FS-Merge) reads them through this module, so batching, device placement and no-grad live here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from fedfuse.models import LeveledModel
+from fedfuse.runtime import resolve_device
+
+
+@dataclass(frozen=True)
+class LevelIO:
+    """What one level saw and produced on the captured batch."""
+
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+
+
+@torch.no_grad()
+def capture_levels(
+    model: LeveledModel,
+    inputs: torch.Tensor,
+    levels: Iterable[int] | None = None,
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+    store_device: str | torch.device = "cpu",
+    keep_inputs: bool = True,
+) -> dict[int, LevelIO]:
+    """Run ``model`` on ``inputs`` and keep the inputs/outputs of the requested levels.
+
+    Args:
+        model: the model; it is put in eval mode for the capture and restored afterwards.
+        inputs: a batch ``(N, ...)`` in the model's input format.
+        levels: level indices to keep (default: all levels).
+        batch_size: rows per forward pass, to bound peak memory.
+        device: where to compute (``"auto"``: CUDA when present).
+        store_device: where the captured tensors are kept.
+        keep_inputs: also keep each level's inputs (else ``LevelIO.inputs`` is empty).
+
+    Returns:
+        ``{level: LevelIO}`` with tensors of ``N`` rows each.
+    """
+    wanted = set(range(model.num_levels)) if levels is None else set(levels)
+    invalid = sorted(i for i in wanted if not 0 <= i < model.num_levels)
+    if invalid:
+        raise ValueError(f"levels {invalid} do not exist; the model has {model.num_levels}")
+    compute = resolve_device(device)
+    modes = _modes(model)
+    model.eval()
+    chunks: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in wanted}
+    model_device = next(model.parameters()).device
+    try:
+        model.to(compute)
+        for start in range(0, len(inputs), batch_size):
+            x = inputs[start : start + batch_size].to(compute)
+            for index, level in enumerate(model.levels):
+                y = level(x)
+                if index in wanted:
+                    if keep_inputs:
+                        chunks[index][0].append(x.to(store_device))
+                    chunks[index][1].append(y.to(store_device))
+                x = y
+    finally:
+        model.to(model_device)
+        _restore(model, modes)
+    return {
+        i: LevelIO(torch.cat(ins) if ins else torch.empty(0), torch.cat(outs))
+        for i, (ins, outs) in chunks.items()
+    }
+
+
+def _modes(model: torch.nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
+
+
+def _restore(model: torch.nn.Module, modes: list[bool]) -> None:
+    """Put every submodule back in the train/eval mode it had (a container's mode may differ)."""
+    for module, mode in zip(model.modules(), modes, strict=True):
+        module.training = mode
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+) -> torch.Tensor:
+    """Model outputs (logits) for ``inputs``, computed in eval mode in batches, returned on CPU."""
+    compute = resolve_device(device)
+    modes = _modes(model)
+    model_device = next(model.parameters()).device
+    model.eval()
+    try:
+        model.to(compute)
+        outputs = [
+            model(inputs[start : start + batch_size].to(compute)).cpu()
+            for start in range(0, len(inputs), batch_size)
+        ]
+    finally:
+        model.to(model_device)
+        _restore(model, modes)
+    return torch.cat(outputs)
+
+
+_ACTIVATIONS = (
+    torch.nn.ReLU,
+    torch.nn.GELU,
+    torch.nn.SiLU,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.LeakyReLU,
+    torch.nn.ELU,
+)
+
+
+@torch.no_grad()
+def capture_modules(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    probes: Iterable[tuple[str, int]],
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+    store_device: str | torch.device = "cpu",
+    pre_activation: bool = False,
+) -> dict[tuple[str, int], torch.Tensor]:
+    """Run ``model`` on ``inputs`` and keep the outputs of named submodules as feature rows.
+
+    Args:
+        model: the model; it is put in eval mode for the capture and restored afterwards.
+        inputs: a batch ``(N, ...)`` in the model's input format.
+        probes: ``(module name, channel dim)`` pairs, as in
+            :attr:`fedfuse.models.symmetry.FeatureSpace.probes`: the output of the module named
+            (as in ``model.named_modules()``) holds the features along ``channel dim``.
+        batch_size: samples per forward pass, to bound peak memory.
+        device: where to compute (``"auto"``: CUDA when present).
+        store_device: where the captured rows are kept.
+        pre_activation: for a probe that is an elementwise activation module (ReLU, GELU, ...),
+            keep its input instead (the same features before the nonlinearity: dead units of a
+            ReLU stay distinguishable).
+
+    Returns:
+        ``{(name, dim): rows}``, ``rows`` of shape ``(R, channels)``: the channel dim moved last
+        and every other dim (samples, positions, tokens) pooled into rows, like
+        :func:`fedfuse.models.affine.output_rows` does for level outputs.
+    """
+    wanted = list(dict.fromkeys((str(name), int(dim)) for name, dim in probes))
+    modules = dict(model.named_modules())
+    missing = sorted({name for name, _ in wanted} - modules.keys())
+    if missing:
+        raise ValueError(f"the model has no modules named {missing}")
+    compute = resolve_device(device)
+    chunks: dict[tuple[str, int], list[torch.Tensor]] = {probe: [] for probe in wanted}
+
+    def hook_for(name: str):  # noqa: ANN202 - a forward hook
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if pre_activation and isinstance(module, _ACTIVATIONS):
+                output = args[0]
+            for probe in wanted:
+                if probe[0] == name:
+                    rows = output.detach().movedim(probe[1], -1)
+                    chunks[probe].append(rows.reshape(-1, rows.shape[-1]).to(store_device))
+
+        return hook
+
+    modes = _modes(model)
+    model_device = next(model.parameters()).device
+    handles = [
+        modules[name].register_forward_hook(hook_for(name))
+        for name in dict.fromkeys(name for name, _ in wanted)
+    ]
+    model.eval()
+    try:
+        model.to(compute)
+        for start in range(0, len(inputs), batch_size):
+            model(inputs[start : start + batch_size].to(compute))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.to(model_device)
+        _restore(model, modes)
+    return {probe: torch.cat(rows) for probe, rows in chunks.items()}
