@@ -29,6 +29,7 @@ from fedfuse.clients.records import (
 from fedfuse.models import LeveledModel
 from fedfuse.training.finetune import WeightedAverage, state_bytes
 
+from .messaging import replies_by_site
 from .replies import short_reason
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,6 @@ class SiteFinetuneRound:
         Raises:
             RuntimeError: no site returned a usable model (every problem named).
         """
-        from .one_shot import replies_by_site  # one module for the streaming of replies
 
         started = time.monotonic()
         messages = [

@@ -36,11 +36,11 @@ from fedfuse.federation.evaluation import (
     evaluate_fusion,
     format_accuracy_table,
     format_level_summary,
-    write_json,
 )
 from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed, initial_seed
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod
+from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts

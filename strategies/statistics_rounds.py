@@ -27,6 +27,7 @@ from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import affine_view
 
+from .messaging import replies_by_site
 from .replies import short_reason
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,6 @@ class FlowerSites:
         return self._problems
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
-        from .one_shot import replies_by_site  # one module for the streaming of replies
 
         started = time.monotonic()
         view = affine_view(request.fused.levels[request.level])

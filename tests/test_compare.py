@@ -104,7 +104,7 @@ def test_bloodmnist_hospitals_preset_splits_white_cells_from_the_rest():
 
 
 def test_simulate_takes_hydra_overrides_and_refuses_a_key_set_twice():
-    from fedfuse.cli.main import _run_config_from_overrides
+    from fedfuse.cli.simulate import _run_config_from_overrides
 
     run_config, sites = _run_config_from_overrides(
         ["partition=dirichlet", "sites=4", "method=regmean"], "reply-timeout=60"

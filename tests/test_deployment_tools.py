@@ -16,7 +16,7 @@ from flwr.supercore.primitives.asymmetric import public_key_to_bytes
 from flwr.supernode.cli.flower_supernode import _try_setup_client_authentication
 
 from fedfuse.cli.main import main
-from fedfuse.deploy.tools import make_server_certificates, make_supernode_keys
+from fedfuse.deploy.credentials import make_server_certificates, make_supernode_keys
 
 
 def _mode(path) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedfuse.cli.main import _superlink_pids
+from fedfuse.cli.simulate import _superlink_pids
 from fedfuse.data import load_dataset
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.training.loop import evaluate

@@ -17,10 +17,11 @@ from fedfuse.cli.main import main
 from fedfuse.clients.records import pack_upload
 from fedfuse.clients.site import train_site
 from fedfuse.data.partition_cache import PartitionCache
-from fedfuse.federation.evaluation import evaluate_fusion, write_json
+from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.scenario import RunSettings, Scenario
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
+from fedfuse.io.atomic import write_json
 from fedfuse.models import Ensemble, mlp_spec, vgg11_spec
 from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
 from fedfuse.training.loop import evaluate
@@ -297,7 +298,7 @@ def test_models_of_a_store_stay_memory_mapped(uploads, tmp_path):
 
 
 def test_simulate_sets_only_the_run_config_keys_the_app_declares(tmp_path):
-    from fedfuse.cli.main import simulation_run_config
+    from fedfuse.cli.simulate import simulation_run_config
 
     full = simulation_run_config("lr=0.01", tmp_path, 10, app_keys=["min-nodes", "max-in-flight"])
     assert full["min-nodes"] == 10 and full["max-in-flight"] >= 4 and full["lr"] == 0.01

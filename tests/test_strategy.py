@@ -14,12 +14,8 @@ from fedfuse.federation.scenario import RunSettings
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import make_fusion_method
 from fedfuse.io.validation import ContributionError
-from fedfuse.strategies.one_shot import (
-    FusionAborted,
-    OneShotFusion,
-    stream_replies,
-    wait_for_nodes,
-)
+from fedfuse.strategies.messaging import stream_replies, wait_for_nodes
+from fedfuse.strategies.one_shot import FusionAborted, OneShotFusion
 from fedfuse.strategies.replies import decode_reply
 
 SETTINGS = RunSettings(

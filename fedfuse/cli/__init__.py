@@ -1,0 +1,1 @@
+"""The ``fedfuse`` command line: one module per command family, ``main`` dispatches."""

@@ -8,308 +8,14 @@ distributes classes over clients; ``fedfuse inspect`` prints a checkpoint's meta
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterable
-from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-log = logging.getLogger("fedfuse.cli.main")
+from fedfuse.cli import deploy, fuse, simulate
 
-#: Environment for Flower in a closed network: no per-run dependency install, no telemetry.
-FLOWER_ENV = {
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-}
-
-
-def _find_app(app: str | None) -> Path:
-    candidates = [Path(app)] if app else [Path.cwd(), Path(__file__).resolve().parent.parent]
-    for candidate in candidates:
-        pyproject = candidate / "pyproject.toml"
-        if pyproject.is_file() and "[tool.flwr.app]" in pyproject.read_text():
-            return candidate.resolve()
-    raise SystemExit(
-        f"fedfuse simulate: no Flower app (pyproject.toml with [tool.flwr.app]) in "
-        f"{', '.join(str(c) for c in candidates)}; run it from a fedfuse checkout or pass --app"
-    )
-
-
-def _superlink_pids(control_port: str) -> list[int]:
-    """PIDs of local ``flower-superlink`` processes serving ``control_port``."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        joined = b" ".join(argv)
-        if b"flower-superlink" in joined and f"127.0.0.1:{control_port}".encode() in joined:
-            pids.append(int(proc.name))
-    return pids
-
-
-def _stop_processes(pids: list[int]) -> None:
-    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
-    its Ray workers as descendants); kill what is left after 10 s."""
-    import psutil
-
-    processes = []
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            processes += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-
-
-def _run_finished(results: Path, started: datetime) -> bool:
-    """Whether this run's ServerApp wrote its final ``results.json`` (not an earlier run's)."""
-    try:
-        report = json.loads(results.read_text())
-        begun = datetime.fromisoformat(report.get("started_at", "1970-01-01T00:00:00+00:00"))
-    except (OSError, ValueError, AttributeError):
-        return False
-    return begun >= started and report.get("status") in ("ok", "partial", "failed")
-
-
-def simulation_run_config(
-    overrides: str,
-    output_dir: Path,
-    num_clients: int,
-    cpus_per_client: int = 1,
-    app_keys: Iterable[str] | None = None,
-) -> dict[str, Any]:
-    """The run config overrides of a simulation: the user's, plus the output directory and,
-    unless given, ``min-nodes`` (wait for every simulated site) and ``max-in-flight`` (four
-    train messages per Ray worker at a time), each only where the app declares that key."""
-    from flwr.common.config import parse_config_args
-
-    config = parse_config_args([overrides]) if overrides.strip() else {}
-    keys = None if app_keys is None else set(app_keys)
-    # a few messages per Ray worker at a time: Flower's simulation engine rescans every waiting
-    # message for every node ten times a second, which at 1000 sites starves the workers
-    workers = max(1, (os.cpu_count() or 1) // max(cpus_per_client, 1))
-    for key, value in (("min-nodes", num_clients), ("max-in-flight", 4 * workers)):
-        if keys is None or key in keys:
-            config.setdefault(key, value)
-    config["output-dir"] = str(output_dir)
-    return config
-
-
-def _app_config_keys(app: Path) -> list[str]:
-    """The run config keys the Flower app at ``app`` declares."""
-    import tomllib
-
-    with open(app / "pyproject.toml", "rb") as handle:
-        project = tomllib.load(handle)
-    return list(project.get("tool", {}).get("flwr", {}).get("app", {}).get("config", {}))
-
-
-def _toml_assignments(config: dict[str, Any]) -> str:
-    """``key=value ...`` as ``flwr run --run-config`` parses it (TOML values)."""
-
-    def value(v: Any) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
-
-    return " ".join(f"{key}={value(v)}" for key, v in config.items())
-
-
-def _wait_for_run(
-    process: subprocess.Popen, results: Path, started: datetime, timeout: float, grace: float
-) -> int:
-    """``flwr run``'s exit code; 124 past ``timeout``. Once the ServerApp wrote its final result
-    file, Flower may still wait on a site that never returns (a hung ClientApp): after ``grace``
-    seconds the run counts as done and that wait is cut short."""
-    deadline = time.monotonic() + timeout
-    finished_at: float | None = None
-    while (code := process.poll()) is None:
-        now = time.monotonic()
-        if now > deadline:
-            log.error("the run did not finish within %s s", timeout)
-            return 124
-        if finished_at is None and _run_finished(results, started):
-            finished_at = now
-        if finished_at is not None and now - finished_at > grace:
-            log.warning(
-                "the run finished %.0f s ago but Flower still waits on a site that has not "
-                "returned; stopping the simulation",
-                now - finished_at,
-            )
-            return 0
-        time.sleep(0.5)
-    return code
-
-
-def check_simulation(config: dict[str, Any], num_clients: int) -> None:
-    """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
-    listed fusion method must be able to fuse ``num_clients`` sites."""
-    from fedfuse.federation.scenario import RunSettings
-
-    # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
-    methods = RunSettings.from_config(config).fusion_methods()
-    problems = []
-    for method in methods:
-        try:
-            method.check_run(num_clients)
-        except ValueError as error:
-            problems.append(str(error))
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, int]:
-    """The run config that Hydra ``overrides`` describe, plus the Flower-only ``extra`` keys
-    (a key set on both sides is an error), and the number of sites (``sites=``)."""
-    from flwr.common.config import parse_config_args
-
-    from fedfuse.settings.hydra import FLOWER_ONLY_KEYS, compose, settings_from_config
-
-    cfg = compose(overrides)
-    settings = settings_from_config(cfg)
-    from_hydra = {k: v for k, v in settings.to_config().items() if k not in FLOWER_ONLY_KEYS}
-    given = parse_config_args([extra]) if extra.strip() else {}
-    both = sorted(set(given) & set(from_hydra))
-    if both:
-        raise ValueError(
-            f"run config key(s) {both} are set by the Hydra overrides too; set them one way "
-            "(--run-config is for Flower-only keys: " + ", ".join(FLOWER_ONLY_KEYS) + ")"
-        )
-    return _toml_assignments({**from_hydra, **given}), int(cfg.sites)
-
-
-def simulate(args: argparse.Namespace) -> int:
-    """Run the app as a local simulation and report its result file's status."""
-    from fedfuse.federation.evaluation import format_accuracy_table
-
-    if args.num_clients is not None and args.num_clients < 2:
-        raise ValueError(f"--num-clients must be at least 2, got {args.num_clients}")
-    if not args.overrides:
-        args.num_clients = args.num_clients or 2
-    if args.gpus_per_client < 0 or args.cpus_per_client < 1:
-        raise ValueError("--cpus-per-client must be >= 1 and --gpus-per-client >= 0")
-    app = _find_app(args.app)
-    # Flower starts `flower-superlink` by name: put this environment's scripts first on PATH.
-    scripts = str(Path(sys.executable).parent)
-    path = os.pathsep.join([scripts, os.environ.get("PATH", "")])
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in FLOWER_ENV.items()}, "PATH": path}
-    flwr = shutil.which("flwr", path=path)
-    if flwr is None:
-        raise SystemExit("fedfuse simulate: the `flwr` command is not installed (pip install flwr)")
-    control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
-    running_before = set(_superlink_pids(control_port))
-
-    output_dir = Path(args.output_dir).expanduser().resolve()
-    started = datetime.now(UTC)
-    run_config = args.run_config
-    if args.overrides:
-        run_config, sites = _run_config_from_overrides(args.overrides, args.run_config)
-        args.num_clients = args.num_clients or sites
-    config = simulation_run_config(
-        run_config, output_dir, args.num_clients, args.cpus_per_client, _app_config_keys(app)
-    )
-    check_simulation(config, args.num_clients)
-    run_config = _toml_assignments(config)
-    federation = (
-        f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
-        f"client-resources-num-gpus={args.gpus_per_client}"
-    )
-    command = [
-        flwr,
-        "run",
-        str(app),
-        "--stream",
-        "--federation-config",
-        federation,
-        "--run-config",
-        run_config,
-    ]
-    log.info("running: %s", shlex.join(command))
-    results = output_dir / "latest" / "results.json"
-    # a SIGTERM (a scheduler, a benchmark's timeout) still stops the SuperLink below
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    process = subprocess.Popen(command, env=env)
-    try:
-        returncode = _wait_for_run(process, results, started, args.timeout, args.grace)
-    finally:
-        if process.poll() is None:
-            _stop_processes([process.pid])
-        if not args.keep_superlink:
-            _stop_processes(sorted(set(_superlink_pids(control_port)) - running_before))
-
-    if not results.is_file():
-        print(
-            f"fedfuse simulate: FAILED: no result file at {results} (flwr exit {returncode})",
-            file=sys.stderr,
-        )
-        return 1
-    report = json.loads(results.read_text())
-    if datetime.fromisoformat(report.get("started_at", "1970-01-01T00:00:00+00:00")) < started:
-        print(
-            f"fedfuse simulate: FAILED: {results} is from an earlier run; this run wrote nothing",
-            file=sys.stderr,
-        )
-        return 1
-    status = report.get("status")
-    if status not in ("ok", "partial"):
-        print(f"fedfuse simulate: FAILED: {report.get('error', 'unknown error')}", file=sys.stderr)
-        print(f"details: {results}", file=sys.stderr)
-        return 1
-    fusions = report["fusions"]
-    print()
-    print(
-        f"one-shot fusion with {report['strategy']!r}, init={report['init']!r}, "
-        f"{len(report['clients'])} clients, fusion "
-        + ", ".join(
-            f"{name} {f['seconds']:.2f} s" for name, f in fusions.items() if f["status"] == "ok"
-        )
-        + f", run {report['wall_seconds']:.0f} s"
-    )
-    print(format_accuracy_table(report["accuracy"]))
-    finetuned = report.get("finetuned", {})
-    if finetuned:
-        print("fine-tuned after fusion (not zero-shot):")
-        for entry in finetuned.values():
-            if entry["status"] == "ok":
-                scores = entry["accuracy"]
-                print(
-                    f"  {entry['label']}: {scores['accuracy'] * 100:.2f}% "
-                    f"(loss {scores['loss']:.3f}, {entry['seconds']:.1f} s)"
-                )
-            for problem in entry.get("problems", []):
-                print(f"  problem: {problem}")
-    for problem in report.get("rejected", []):
-        print(f"rejected: {problem}")
-    print(f"results: {results.parent.resolve()}")
-    if status == "partial":
-        for name, fusion in fusions.items():
-            if fusion["status"] != "ok":
-                print(f"fedfuse simulate: {name} FAILED: {fusion.get('error')}", file=sys.stderr)
-        for entry in finetuned.values():
-            if entry["status"] != "ok":
-                print(
-                    f"fedfuse simulate: {entry['label']} FAILED: {entry.get('error')}",
-                    file=sys.stderr,
-                )
-        return 1
-    return 0
+log = logging.getLogger(__name__)
 
 
 def partition(args: argparse.Namespace) -> int:
@@ -361,38 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    sim = commands.add_parser("simulate", help="run the Flower app as a local simulation")
-    sim.add_argument("--app", help="Flower app directory (default: this checkout)")
-    sim.add_argument(
-        "overrides",
-        nargs="*",
-        help="Hydra overrides of configs/compare.yaml (e.g. partition=dirichlet sites=4 "
-        "method=regmean); they set the run config, --run-config adds Flower-only keys",
-    )
-    sim.add_argument("--num-clients", type=int, help="sites (default: sites= or 2)")
-    sim.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per site")
-    sim.add_argument(
-        "--gpus-per-client",
-        type=float,
-        default=0.0,
-        help="GPU share per site (e.g. 0.25: four sites per GPU); needs CUDA and device=auto/cuda",
-    )
-    sim.add_argument("--output-dir", default="outputs")
-    sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')
-    sim.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
-    sim.add_argument(
-        "--grace",
-        type=float,
-        default=20.0,
-        help="seconds Flower may go on after the run wrote its results (e.g. waiting on a hung "
-        "site) before the simulation is stopped",
-    )
-    sim.add_argument(
-        "--keep-superlink",
-        action="store_true",
-        help="leave the local SuperLink that this command started running",
-    )
-    sim.set_defaults(handler=simulate)
+    simulate.register_cli(commands)
 
     part = commands.add_parser("partition", help="show a split's clients x classes table")
     part.add_argument("--dataset", default="fashion-mnist")
@@ -408,12 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path")
     insp.set_defaults(handler=inspect_checkpoint)
 
-    from fedfuse.deploy import tools as deployment
     from fedfuse.experiments import scale, speed
-    from fedfuse.federation import offline as checkpoint_fusion
 
-    checkpoint_fusion.register_cli(commands)
-    deployment.register_cli(commands)
+    fuse.register_cli(commands)
+    deploy.register_cli(commands)
     for name, text in HYDRA_COMMANDS.items():  # parsed by Hydra, see main()
         commands.add_parser(name, help=text, add_help=False)
     commands.add_parser(
@@ -438,7 +111,7 @@ HYDRA_COMMANDS = {
 def _delegate(command: str, rest: list[str]) -> int:
     """Run a subcommand that parses its own arguments (Hydra apps, the report)."""
     if command == "report":
-        from fedfuse.experiments.report.document import document as report
+        from fedfuse.experiments.report import document as report
 
         return int(report.main(rest) or 0)
     from fedfuse.experiments import compare

@@ -1,0 +1,1 @@
+"""Operations: what a real deployment's SuperLink and SuperNodes read (certificates, keys)."""

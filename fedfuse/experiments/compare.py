@@ -42,11 +42,12 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedfuse.federation.evaluation import evaluate_fusion, write_json
+from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed
 from fedfuse.federation.site_cache import SiteCache, site_set_key
 from fedfuse.fusion import FusionInputs, FusionMethod
 from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
+from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.runtime import PeakMemory
 from fedfuse.settings.hydra import (
@@ -317,7 +318,7 @@ def _fuse_library(
         "fusion_extra_rss_mib": round(peak.extra_mib, 1),
         "fusion_peak_cuda_mib": None if peak.cuda_mib is None else round(peak.cuda_mib, 1),
         "round_upload_bytes": statistics_round_bytes(result.details, job.sites),
-        "details": _json_safe(result.details),
+        "details": json_safe(result.details),
     }
 
 
@@ -386,7 +387,7 @@ def _finetune_library(
         upload_bytes_per_site=[u.payload_bytes() for u in uploads],
         round_upload_bytes=rounds,
         details={},
-        finetune_details=_json_safe(details),
+        finetune_details=json_safe(details),
     )
     if job.cfg.save_models:
         row["fused_checkpoint"] = _save_model(job, model, job.ft_id, job.ft_label)
@@ -427,12 +428,6 @@ def _evaluation_fields(evaluation: dict[str, Any]) -> dict[str, Any]:
         "ensemble_loss": evaluation["ensemble"]["loss"],
         "test_examples": evaluation["test_examples"],
     }
-
-
-def _json_safe(value: Any) -> Any:
-    return json.loads(
-        json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
-    )
 
 
 # ------------------------------------------------------------------------------ flower runner

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +14,6 @@ from tqdm.auto import tqdm
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FUSION_METHODS, FusionResult
-from fedfuse.io.atomic import atomic_path
 from fedfuse.models.capture import predict
 
 
@@ -86,14 +84,6 @@ def format_accuracy_table(evaluation: dict[str, Any]) -> str:
     lines += [f"{name:<{width}}  {r['accuracy'] * 100:7.2f}%  {r['loss']:6.3f}" for name, r in rows]
     lines.append(f"(test set: {evaluation['test_examples']} examples)")
     return "\n".join(lines)
-
-
-def write_json(path: str | Path, document: dict[str, Any]) -> Path:
-    """Write ``document`` as JSON atomically (a crash never leaves a half-written file)."""
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(document, indent=2, default=str) + "\n")
-    return path
 
 
 _LEVEL_COLUMNS = (

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from fedfuse.federation.evaluation import write_json
 from fedfuse.federation.scenario import RunSettings
+from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import ContributionError, validate_scores
 from fedfuse.models import LeveledModel, ModelSpec

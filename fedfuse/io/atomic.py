@@ -1,12 +1,14 @@
-"""Atomic file writes: a file is either its old content or its complete new content."""
+"""Atomic file writes (a file is its old content or its complete new content); JSON documents."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 @contextmanager
@@ -25,3 +27,18 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> Path:
+    """Write ``document`` as JSON atomically (a crash never leaves a half-written file)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(document, indent=2, default=str) + "\n")
+    return path
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as plain JSON types: tensors and arrays become lists, other objects strings."""
+    return json.loads(
+        json.dumps(value, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
+    )

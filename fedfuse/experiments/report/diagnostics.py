@@ -13,17 +13,15 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fedfuse.experiments.report import plots
+from fedfuse.experiments.report.files import ReportFiles
 from fedfuse.experiments.report.rows import NO_STD, Sweep, is_ok, table_key
 from fedfuse.experiments.report.tables import markdown_table, slug, write_csv
 from fedfuse.io.atomic import atomic_path
-
-if TYPE_CHECKING:
-    from fedfuse.experiments.report.document import ReportFiles
 
 log = logging.getLogger(__name__)
 

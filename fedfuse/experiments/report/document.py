@@ -28,8 +28,7 @@ import logging
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from fedfuse.experiments.report.diagnostics import (
     choose_landscape_rows,
     diagnostics_section,
 )
+from fedfuse.experiments.report.files import ReportFiles
 from fedfuse.experiments.report.rows import (
     BASE_LABEL,
     ENSEMBLE_LABEL,
@@ -192,31 +192,6 @@ def _site_series(series: dict[str, list[SummaryRow]], what: str) -> list[plots.S
 
 
 # ------------------------------------------------------------------------------ report entry point
-@dataclass
-class ReportFiles:
-    """What :func:`write_report` wrote, and what it skipped and why."""
-
-    directory: Path
-    markdown: Path
-    csv: Path
-    weight_stats_csv: Path | None = None
-    figures: list[Path] = field(default_factory=list)
-    landscapes: list[Path] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    rows: int = 0
-    failed: int = 0
-
-    def attempt(self, what: str, action: Callable[[], Any]) -> Any:
-        """Run ``action()``; on failure log a warning, note it as skipped and return None."""
-        try:
-            return action()
-        except Exception as error:  # a figure never sinks the report
-            message = f"{what}: {type(error).__name__}: {error}"[:500]
-            log.warning("skipped %s", message)
-            self.skipped.append(message)
-            return None
-
-
 def write_report(
     sweep_dir: str | Path,
     out_dir: str | Path | None = None,

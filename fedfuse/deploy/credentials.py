@@ -1,4 +1,4 @@
-"""Tooling for a real deployment: TLS certificates, SuperNode keys and site data files.
+"""Credentials for a real deployment: TLS certificates and SuperNode keys.
 
 A deployment (``docs/deployment.md``) runs Flower's own ``flower-superlink`` at the server and
 one ``flower-supernode`` per hospital site. This module makes what those processes read:
@@ -15,12 +15,11 @@ one ``flower-supernode`` per hospital site. This module makes what those process
 * ``fedfuse site-data``: a site's images as the ``.npz`` file of :mod:`fedfuse.data.arrays`.
 
 Private keys are written with mode 0600 and never overwritten without ``--force``. Everything
-here is Flower-free; :func:`register_cli` adds the three subcommands to the ``fedfuse`` CLI.
+here is Flower-free; :mod:`fedfuse.cli.deploy` holds the three subcommands.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import datetime as dt
 import hashlib
@@ -28,7 +27,6 @@ import ipaddress
 import logging
 import os
 import re
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +46,6 @@ __all__ = [
     "fingerprint",
     "make_server_certificates",
     "make_supernode_keys",
-    "register_cli",
 ]
 
 #: Always in the server certificate: the SuperLink's own ServerApp runner (SuperExec) connects
@@ -315,184 +312,3 @@ def make_supernode_keys(
             )
         )
     return made
-
-
-# ------------------------------------------------------------------------------------- CLI
-def _fail(command: str, error: Exception) -> int:
-    print(f"fedfuse {command}: error: {error}", file=sys.stderr)
-    return 2
-
-
-def certs_command(args: argparse.Namespace) -> int:
-    """``fedfuse certs``: CA + SuperLink server certificate."""
-    try:
-        made = make_server_certificates(
-            args.out,
-            args.host,
-            days=args.days,
-            ca_days=args.ca_days,
-            loopback=not args.no_loopback,
-            force=args.force,
-        )
-    except (FileExistsError, ValueError) as error:
-        return _fail("certs", error)
-    ca_pem = x509.load_pem_x509_certificate(made.ca_cert.read_bytes())
-    print(f"{'created' if made.ca_created else 'reused'} CA: {made.ca_cert} (key {made.ca_key})")
-    print(f"  CA fingerprint {fingerprint(ca_pem.public_bytes(serialization.Encoding.DER))}")
-    print(f"server certificate: {made.server_cert} (key {made.server_key})")
-    print(f"  valid for: {', '.join(made.names)}")
-    print(f"give every site {made.ca_cert}; keep {made.ca_key} and {made.server_key} private")
-    return 0
-
-
-def keys_command(args: argparse.Namespace) -> int:
-    """``fedfuse keys``: SuperNode authentication key pairs."""
-    try:
-        made = make_supernode_keys(args.out, args.names, force=args.force)
-    except (FileExistsError, ValueError) as error:
-        return _fail("keys", error)
-    for site in made:
-        print(f"{site.name}: private {site.private_key}, public {site.public_key}")
-        print(f"  public key fingerprint {site.fingerprint}")
-    return 0
-
-
-def _floats(text: str | None) -> list[float] | None:
-    if text is None:
-        return None
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _class_list(text: str | None) -> list[str] | None:
-    if text is None:
-        return None
-    if text.startswith("@"):
-        path = Path(text[1:]).expanduser()
-        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return [c.strip() for c in text.split(",")]
-
-
-def site_data_command(args: argparse.Namespace) -> int:
-    """``fedfuse site-data``: convert a site's data to a validated ``.npz`` (or check one)."""
-    from fedfuse.data import load_npz_dataset, save_npz_dataset
-    from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz, parse_shape
-
-    try:
-        if args.source == "check":
-            dataset, names = load_npz_dataset(args.path), None
-        else:
-            out = Path(args.out).expanduser()
-            if out.suffix != ".npz":
-                raise ValueError(f"{out}: the site data file must end in .npz")
-            if out.exists() and not args.force:
-                raise FileExistsError(f"{out}: exists; refusing to overwrite it (use --force)")
-            stats = {"mean": _floats(args.mean), "std": _floats(args.std)}
-            shape = parse_shape(args.shape) if args.shape else None
-            names = None
-            if args.source == "folder":
-                if shape is None:
-                    raise ValueError("--shape is required for an image folder, e.g. 1x28x28")
-                dataset, names = from_image_folder(
-                    args.path,
-                    shape,
-                    classes=_class_list(args.classes),
-                    num_classes=args.num_classes,
-                    **stats,
-                )
-            elif args.source == "medmnist":
-                dataset = from_medmnist_npz(
-                    args.path, args.split, num_classes=args.num_classes, shape=shape, **stats
-                )
-            else:
-                dataset = from_arrays(
-                    args.images, args.labels, args.num_classes, shape=shape, **stats
-                )
-            save_npz_dataset(out, dataset)
-            load_npz_dataset(out)  # what the SuperNode will read: prove it reads back
-    except (FileExistsError, FileNotFoundError, ValueError, OSError) as error:
-        return _fail("site-data", error)
-    counts = dataset.labels.bincount(minlength=dataset.num_classes).tolist()
-    label = [f"{i}" + (f" ({names[i]})" if names else "") for i in range(dataset.num_classes)]
-    print(f"{len(dataset)} samples, shape {dataset.input_shape}, {dataset.num_classes} classes")
-    print("per class: " + ", ".join(f"{lab}: {n}" for lab, n in zip(label, counts, strict=True)))
-    print(f"mean {[round(m, 6) for m in dataset.mean]}, std {[round(s, 6) for s in dataset.std]}")
-    if args.source != "check":
-        print(f"wrote {args.out}")
-    return 0
-
-
-def register_cli(commands: argparse._SubParsersAction) -> None:
-    """Add ``certs``, ``keys`` and ``site-data`` to the ``fedfuse`` command line."""
-    certs = commands.add_parser(
-        "certs",
-        help="make a CA and the SuperLink's TLS server certificate",
-        description=make_server_certificates.__doc__.splitlines()[0],
-    )
-    certs.add_argument("--out", required=True, help="directory for ca.crt, server.pem, keys")
-    certs.add_argument(
-        "--host",
-        action="append",
-        required=True,
-        help="a DNS name or IP address the sites use to reach the SuperLink (repeatable)",
-    )
-    certs.add_argument("--days", type=int, default=825, help="server certificate validity")
-    certs.add_argument("--ca-days", type=int, default=3650, help="validity of a new CA")
-    certs.add_argument(
-        "--no-loopback",
-        action="store_true",
-        help=f"leave out {', '.join(LOOPBACK_NAMES)} (the SuperLink needs them itself)",
-    )
-    certs.add_argument("--force", action="store_true", help="overwrite server.pem/server.key")
-    certs.set_defaults(handler=certs_command)
-
-    keys = commands.add_parser(
-        "keys",
-        help="make SuperNode authentication key pairs (<name>.key, <name>.pub)",
-        description=make_supernode_keys.__doc__.splitlines()[0],
-    )
-    keys.add_argument("names", nargs="+", help="site names, e.g. site-0 site-1")
-    keys.add_argument("--out", required=True, help="directory for the key files")
-    keys.add_argument("--force", action="store_true", help="overwrite existing key files")
-    keys.set_defaults(handler=keys_command)
-
-    site = commands.add_parser(
-        "site-data",
-        help="turn a site's images into a validated .npz site data file (or check one)",
-        description="Convert a site's data to the .npz file a SuperNode reads (data-path).",
-    )
-    sources = site.add_subparsers(dest="source", required=True)
-    folder = sources.add_parser("folder", help="an image folder, one sub-folder per class")
-    folder.add_argument("path", help="folder holding <class>/<image files>")
-    folder.add_argument(
-        "--classes",
-        help="the federation's classes in label order, comma-separated or @file "
-        "(default: sorted folder names, or the folder names as integer labels)",
-    )
-    medmnist = sources.add_parser("medmnist", help="a MedMNIST-format .npz")
-    medmnist.add_argument("path", help="e.g. bloodmnist.npz (keys train_images, ...)")
-    medmnist.add_argument("--split", default="train", choices=["train", "val", "test"])
-    arrays = sources.add_parser("arrays", help="images and labels as two .npy files")
-    arrays.add_argument("images", help="uint8 images .npy: (N,H,W), (N,H,W,C) or (N,C,H,W)")
-    arrays.add_argument("labels", help="integer labels .npy: (N,) or (N,1)")
-    for parser in (folder, medmnist, arrays):
-        parser.add_argument("--out", required=True, help="the .npz file to write")
-        parser.add_argument(
-            "--shape",
-            help="CxHxW of the federation's model input, e.g. 1x28x28 (images are converted "
-            "and resized; required for folders)",
-        )
-        parser.add_argument(
-            "--num-classes",
-            type=int,
-            required=parser is arrays,
-            help="the federation's number of classes",
-        )
-        parser.add_argument("--mean", help="per-channel mean of x/255, e.g. 0.286 (agreed)")
-        parser.add_argument("--std", help="per-channel std of x/255, e.g. 0.353 (agreed)")
-        parser.add_argument("--force", action="store_true", help="overwrite --out")
-    check = sources.add_parser("check", help="validate a site .npz file and summarise it")
-    check.add_argument("path")
-    site.set_defaults(handler=site_data_command)

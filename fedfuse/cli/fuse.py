@@ -1,0 +1,181 @@
+"""``fedfuse fuse``: fuse saved checkpoints, or a run's stored uploads, offline.
+
+The library side is :mod:`fedfuse.federation.offline`; this module only parses arguments,
+calls it and writes the fused checkpoint and its JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fedfuse.federation.evaluation import format_level_summary
+from fedfuse.federation.offline import (
+    SPEC_HELP,
+    FusionSetSpec,
+    check_data_fits,
+    describe_spec,
+    fuse_checkpoints,
+    fuse_pool,
+    parse_widths,
+    run_fusion_set,
+    run_pool,
+)
+from fedfuse.fusion import (
+    FUSION_METHODS,
+    make_fusion_method,
+    parse_options,
+)
+from fedfuse.io.atomic import json_safe
+from fedfuse.io.checkpoint import read_metadata, save_checkpoint
+from fedfuse.models import LeveledModel, ModelSpec
+
+
+# ---------------------------------------------------------------------------------- CLI
+def register_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``fuse`` subcommand to ``subparsers`` (from ``add_subparsers``); return it."""
+    parser = subparsers.add_parser(
+        "fuse",
+        help="fuse saved checkpoints into one model",
+        description=(
+            "Fuse two or more checkpoints with a registered fusion method and write the fused "
+            "model as a checkpoint recording the method, options, sources and per-level details."
+        ),
+    )
+    parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="CKPT",
+        help="checkpoints to fuse, or one run directory (its saved uploads are fused again)",
+    )
+    parser.add_argument(
+        "--method", default="kf-linear", help=f"fusion method: {', '.join(sorted(FUSION_METHODS))}"
+    )
+    parser.add_argument("--fusion-data", metavar="SPEC", help=f"the fusion set: {SPEC_HELP}")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a method option (repeatable); values are JSON when they parse, else strings",
+    )
+    parser.add_argument(
+        "--target-widths", metavar="W,W,...", help="hidden widths of the fused model"
+    )
+    parser.add_argument("--test-data", metavar="SPEC", help="evaluate on this data (same syntax)")
+    parser.add_argument(
+        "--output",
+        help="fused checkpoint to write, replaced atomically if it exists (default: "
+        "fused.safetensors, or for a run directory <run>/refused-<method>-<time>.safetensors)",
+    )
+    parser.add_argument(
+        "--no-scores",
+        action="store_true",
+        help="ignore the checkpoints' importance scores (the method's fallback is used)",
+    )
+    parser.add_argument("--progress", action="store_true", help="show a progress bar")
+    parser.set_defaults(handler=fuse_command)
+    return parser
+
+
+def fuse_command(args: argparse.Namespace) -> int:
+    """Handler of ``fedfuse fuse``: fuse checkpoint files, or the uploads of a saved run."""
+    # Everything cheap is checked before anything is loaded or fused.
+    options = parse_options(args.option)
+    if args.progress and "progress" in _accepted(args.method):
+        options.setdefault("progress", True)
+    fusion = make_fusion_method(args.method, **options)
+    widths = parse_widths(args.target_widths) if args.target_widths else None
+    fusion_spec = FusionSetSpec.parse(args.fusion_data) if args.fusion_data else None
+    test_spec = FusionSetSpec.parse(args.test_data) if args.test_data else None
+    run_dir = Path(args.checkpoints[0]) if len(args.checkpoints) == 1 else None
+    if run_dir is not None and not run_dir.is_dir():
+        raise ValueError(
+            f"{run_dir}: give a run directory (with clients/client_<id>.safetensors), or two or "
+            "more checkpoint files"
+        )
+    output = Path(args.output) if args.output else _default_output(run_dir, args.method)
+    if output.is_dir():
+        raise ValueError(f"output {output} is a directory; give a checkpoint file name")
+
+    if run_dir is not None:
+        pool, store, settings = run_pool(run_dir)
+        sources = [str(e.path) for e in store.entries]
+        fusion_data = fusion_spec.load() if fusion_spec else None
+        if fusion_data is None and settings is not None:  # the run's own fusion set
+            fusion_data = run_fusion_set(settings, store)
+        test_data = test_spec.load() if test_spec else None
+        if test_data is not None:
+            check_data_fits(test_data, pool.spec, f"test data {args.test_data!r}")
+        result = fuse_pool(
+            pool,
+            fusion,
+            fusion_data=fusion_data,
+            target_widths=widths,
+            use_scores=not args.no_scores,
+        )
+        base_models: Sequence[LeveledModel] = pool.models
+    else:
+        fusion_data = fusion_spec.load() if fusion_spec else None
+        test_data = test_spec.load() if test_spec else None
+        if test_data is not None:  # fail before fusing when the first checkpoint's spec is readable
+            try:
+                first = ModelSpec.from_dict(read_metadata(args.checkpoints[0]).get("model"))
+            except (ValueError, AttributeError):
+                first = None  # fuse_checkpoints reports the broken file
+            if first is not None:
+                check_data_fits(test_data, first, f"test data {args.test_data!r}")
+        result, checkpoints = fuse_checkpoints(
+            args.checkpoints,
+            args.method,
+            options=options,
+            fusion_data=fusion_data,
+            target_widths=widths,
+            use_scores=not args.no_scores,
+        )
+        sources = [str(p) for p in args.checkpoints]
+        base_models = [c.model for c in checkpoints]
+    if test_data is not None:
+        check_data_fits(test_data, result.model.spec, f"test data {args.test_data!r}")
+    metadata = {
+        "method": args.method,
+        "options": json_safe(options),
+        "resolved_options": json_safe(fusion.options()),
+        "sources": sources,
+        "fusion_data": args.fusion_data or ("the run's fusion set" if run_dir else None),
+        "fusion_examples": None if fusion_data is None else len(fusion_data),
+        "fusion_seconds": result.seconds,
+        "details": json_safe(result.details),
+    }
+    try:
+        save_checkpoint(output, result.model, metadata=metadata)
+    except OSError as error:
+        raise ValueError(f"cannot write {output}: {error}") from error
+    fused = describe_spec(result.model.spec)
+    print(f"fused {len(sources)} models with {args.method}: {fused}")
+    print(format_level_summary(result))
+    if test_data is not None:
+        from fedfuse.federation.evaluation import evaluate_fusion, format_accuracy_table
+
+        device = str(options.get("device", "auto"))
+        evaluation = evaluate_fusion(
+            base_models, {args.method: result.model}, test_data, device=device
+        )
+        print(format_accuracy_table(evaluation))
+    print(f"fused checkpoint: {output}")
+    return 0
+
+
+def _default_output(run_dir: Path | None, method: str) -> Path:
+    if run_dir is None:
+        return Path("fused.safetensors")
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return run_dir / f"refused-{method}-{stamp}.safetensors"
+
+
+def _accepted(method: str) -> list[str]:
+    cls = FUSION_METHODS.get(method)
+    return cls.accepted_options() if cls else []
