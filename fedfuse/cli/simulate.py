@@ -346,3 +346,31 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         help="leave the local SuperLink that this command started running",
     )
     sim.set_defaults(handler=simulate)
+
+
+def simulate_command(
+    *,
+    sites: int,
+    output_dir: str | Path,
+    run_config: str,
+    cpus_per_client: int = 1,
+    timeout: float = 3600.0,
+) -> list[str]:
+    """The ``fedfuse simulate`` command line, run in this interpreter, that experiments launch
+    as a subprocess (a simulation owns its process tree: Ray, the local SuperLink)."""
+    return [
+        sys.executable,
+        "-m",
+        "fedfuse.cli.main",
+        "simulate",
+        "--num-clients",
+        str(sites),
+        "--cpus-per-client",
+        str(cpus_per_client),
+        "--timeout",
+        str(timeout),
+        "--output-dir",
+        str(output_dir),
+        "--run-config",
+        run_config,
+    ]

@@ -42,6 +42,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from fedfuse.cli.simulate import simulate_command
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed
 from fedfuse.federation.site_cache import SiteCache, site_set_key
@@ -440,22 +441,13 @@ def _run_flower(job: Job, scenario: Scenario) -> Outcome:
         k: v for k, v in job.settings.to_config().items() if k not in ("output-dir", "min-nodes")
     }
     assignments = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
-    command = [
-        sys.executable,
-        "-m",
-        "fedfuse.cli.main",
-        "simulate",
-        "--num-clients",
-        str(job.sites),
-        "--cpus-per-client",
-        str(job.cfg.runner.cpus_per_client),
-        "--timeout",
-        str(job.cfg.runner.timeout),
-        "--output-dir",
-        str(out),
-        "--run-config",
-        assignments,
-    ]
+    command = simulate_command(
+        sites=job.sites,
+        output_dir=out,
+        run_config=assignments,
+        cpus_per_client=job.cfg.runner.cpus_per_client,
+        timeout=job.cfg.runner.timeout,
+    )
     log.info("%s: %s", job.id, shlex.join(command))
     process = subprocess.run(command, env=os.environ.copy(), check=False)
     results = out / "latest" / "results.json"

@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from fedfuse.cli.simulate import simulate_command
+
 log = logging.getLogger(__name__)
 
 #: the run the issue measured: MLP 784-512-512-512-10, Dirichlet split, three methods
@@ -110,22 +112,13 @@ def run_size(
             "FLWR_HOME": flwr_home,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
-        command = [
-            sys.executable,
-            "-m",
-            "fedfuse.cli.main",
-            "simulate",
-            "--num-clients",
-            str(sites),
-            "--cpus-per-client",
-            str(cpus_per_client),
-            "--output-dir",
-            str(out),
-            "--timeout",
-            str(timeout),
-            "--run-config",
-            run_config,
-        ]
+        command = simulate_command(
+            sites=sites,
+            output_dir=out,
+            run_config=run_config,
+            cpus_per_client=cpus_per_client,
+            timeout=timeout,
+        )
         log.info("scale: %d sites: %s", sites, " ".join(command))
         started = time.monotonic()
         with open(output_dir / f"sites-{sites}.log", "w") as log_file:
