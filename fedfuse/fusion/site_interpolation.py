@@ -44,6 +44,7 @@ from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
 from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
 from fedfuse.fusion.inputs import check_levels, resolve_scores
+from fedfuse.fusion.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view
@@ -334,72 +335,20 @@ def _cholesky_upper(gram: torch.Tensor) -> torch.Tensor:
 
 
 @register_fusion_method
+@fixed_variant("hungarian", without=("n_init", "max_iter", "tol"))
 class HFSites(SiteInterpolation):
     """Hungarian Fusion fitted on the sites' statistics: two models, one-to-one grouping."""
 
     name = "hf-sites"
     max_models = 2
 
-    def __init__(
-        self,
-        *,
-        use_scores: bool = True,
-        score_normalization: str = "sum",
-        ridge: float | None = None,
-        max_samples: int | None = None,
-        statistics_dtype: str = "float32",
-        gram_rank: int | None = None,
-        seed: int = 0,
-        progress: bool = False,
-    ) -> None:
-        super().__init__(
-            "hungarian",
-            use_scores=use_scores,
-            score_normalization=score_normalization,
-            ridge=ridge,
-            max_samples=max_samples,
-            statistics_dtype=statistics_dtype,
-            gram_rank=gram_rank,
-            seed=seed,
-            progress=progress,
-        )
-
 
 @register_fusion_method
+@fixed_variant("kmeans")
 class KFSites(SiteInterpolation):
     """K-means Fusion fitted on the sites' statistics: any number of models, any width."""
 
     name = "kf-sites"
-
-    def __init__(
-        self,
-        *,
-        use_scores: bool = True,
-        score_normalization: str = "sum",
-        ridge: float | None = None,
-        max_samples: int | None = None,
-        statistics_dtype: str = "float32",
-        gram_rank: int | None = None,
-        n_init: int = 1,
-        max_iter: int = 100,
-        tol: float = 1e-4,
-        seed: int = 0,
-        progress: bool = False,
-    ) -> None:
-        super().__init__(
-            "kmeans",
-            use_scores=use_scores,
-            score_normalization=score_normalization,
-            ridge=ridge,
-            max_samples=max_samples,
-            statistics_dtype=statistics_dtype,
-            gram_rank=gram_rank,
-            n_init=n_init,
-            max_iter=max_iter,
-            tol=tol,
-            seed=seed,
-            progress=progress,
-        )
 
 
 __all__ = ["HFSites", "KFSites", "SiteInterpolation"]

@@ -1,4 +1,5 @@
-"""Architectures written as levels, and the registry that rebuilds them from a ModelSpec."""
+"""Models as levels: the architectures, the registry that rebuilds them from a ModelSpec, and
+what is read off a model's levels (affine views, activation capture, importance scores)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from fedfuse.models.ensemble import Ensemble
+from fedfuse.models.importance import Scores, importance_scores
 from fedfuse.models.leveled import LeveledModel, corresponding_levels
 from fedfuse.models.mlp import build_mlp, mlp_spec
 from fedfuse.models.resnet import build_resnet, resnet_spec
@@ -80,12 +82,14 @@ __all__ = [
     "ARCHITECTURES",
     "Ensemble",
     "LeveledModel",
+    "Scores",
     "ModelSpec",
     "build_model",
     "build_mlp",
     "build_resnet",
     "build_vit",
     "corresponding_levels",
+    "importance_scores",
     "build_vgg11",
     "make_spec",
     "mlp_spec",

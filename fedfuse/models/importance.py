@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fedfuse.models import LeveledModel
+from fedfuse.models.leveled import LeveledModel
 from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,54 @@
+"""Which base level each fused neuron level fits, and whether the models can be fused at all.
+
+Models of the target's architecture and classes are fused level by level, or stage by stage
+when their depths differ (:func:`~fedfuse.models.corresponding_levels`); Hungarian Fusion needs
+exactly two models of the target's levels and width, the Linear fit the target's neuron levels.
+"""
+
+from __future__ import annotations
+
+from fedfuse.models import LeveledModel, ModelSpec, build_model, corresponding_levels
+
+
+def check_structure(
+    name: str, models: list[LeveledModel], target: ModelSpec, grouping: str, approximation: str
+) -> list[dict[int, int]]:
+    """Check the models against the target; return, per model, the base level that each
+    fused neuron level fits (level by level, or stage by stage for other depths). Errors name
+    the method ``name``."""
+    reference = build_model(target, device="meta")
+    mappings = []
+    for index, model in enumerate(models):
+        if (model.spec.input_shape, model.spec.num_classes) != (
+            target.input_shape,
+            target.num_classes,
+        ):
+            raise ValueError(
+                f"{name}: model {index} maps {model.spec.input_shape} to "
+                f"{model.spec.num_classes} classes, the target {target.input_shape} to "
+                f"{target.num_classes}"
+            )
+        if model.spec.arch != target.arch:
+            raise ValueError(
+                f"{name}: model {index} is a {model.spec.arch}, the target a {target.arch}"
+            )
+        try:
+            mapping = corresponding_levels(model, reference)
+        except ValueError as error:
+            raise ValueError(f"{name}: model {index}: {error}") from None
+        if grouping == "hungarian" and model.num_levels != reference.num_levels:
+            raise ValueError(
+                f"{name}: model {index} has {model.num_levels} levels, the target "
+                f"{reference.num_levels}; Hungarian Fusion pairs equal models (use kf-*)"
+            )
+        if approximation == "linear" and model.neuron_levels != reference.neuron_levels:
+            raise ValueError(f"{name}: model {index} has other neuron levels")
+        mappings.append(mapping)
+    if grouping == "hungarian":
+        widths = {m.spec.widths for m in models} | {target.widths}
+        if len(models) != 2 or len(widths) != 1:
+            raise ValueError(
+                f"{name}: Hungarian Fusion needs exactly 2 models of the target's width "
+                f"(got {len(models)} models, widths {sorted(widths)}); use K-means Fusion"
+            )
+    return mappings
