@@ -18,11 +18,12 @@ App. C) and a ground cost :math:`C_{ij}`, the transport plan solves
 The ground cost is the squared Euclidean distance between the neurons' *pre-activations* (the
 level outputs on the fusion set, over samples and spatial positions, divided by the number of
 rows; ``ground_metric="activations"``) or between their incoming weight rows, bias included,
-after the incoming side was realigned with the previous level's map (``"weights"``). The plan is
-turned into the row-stochastic map :math:`T = \operatorname{diag}(P^\ast \mathbf{1})^{-1} P^\ast`
-(rows = reference neurons; :math:`P^\ast \mathbf{1} = \mu` for EMD, and dividing by the actual
-row sums makes Sinkhorn's plan exactly row-stochastic too), and applied to the model: its neurons
-become :math:`W_\ell \leftarrow T W_\ell` (weights and bias) and the next level's inputs are
+after the incoming side was realigned with the previous level's map (``"weights"``). The plan
+(:func:`~fedfuse.fusion.blocks.transport.transport_plan`, POT) is turned into the row-stochastic
+map :math:`T = \operatorname{diag}(P^\ast \mathbf{1})^{-1} P^\ast` (rows = reference neurons;
+:math:`P^\ast \mathbf{1} = \mu` for EMD, and dividing by the actual row sums makes Sinkhorn's
+plan exactly row-stochastic too), and applied to the model: its neurons become
+:math:`W_\ell \leftarrow T W_\ell` (weights and bias) and the next level's inputs are
 re-expressed, :math:`W_{\ell+1} \leftarrow W_{\ell+1} T^\top` (per input channel, so
 convolution -> flatten -> linear works). The classifier's outputs (the classes) are never
 transported. The fused model is then the average of the reference and the aligned models,
@@ -66,12 +67,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import ot
 import torch
 
 from fedfuse.fusion.averaging import average_state_dicts
@@ -88,6 +86,7 @@ from fedfuse.fusion.blocks.space_alignment import (
     is_permutation,
     space_cost,
 )
+from fedfuse.fusion.blocks.transport import SOLVERS, row_stochastic, transport_plan
 from fedfuse.fusion.inputs import averaging_weights, check_levels, resolve_scores
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.capture import capture_levels
@@ -97,94 +96,6 @@ from fedfuse.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 GROUND_METRICS = ("activations", "weights")
-SOLVERS = ("emd", "sinkhorn")
-
-
-# ---------------------------------------------------------------------------------- helpers
-def transport_plan(
-    cost: torch.Tensor,
-    a: torch.Tensor | None = None,
-    b: torch.Tensor | None = None,
-    *,
-    solver: str = "emd",
-    reg: float = 0.01,
-    max_iter: int = 1000,
-) -> torch.Tensor:
-    r"""The optimal transport plan between marginals ``a`` and ``b`` for ground cost ``cost``.
-
-    Solves :math:`\min_{P \ge 0,\, P\mathbf{1} = a,\, P^\top\mathbf{1} = b} \langle P, C\rangle`
-    exactly (``solver="emd"``, POT's network simplex) or with entropic regularisation ``reg``
-    relative to :math:`\max C` (``"sinkhorn"``, log-stabilised Sinkhorn, at most ``max_iter``
-    iterations).
-
-    Args:
-        cost: ``(n, m)`` ground cost.
-        a, b: non-negative marginals of length ``n`` and ``m`` (default uniform); each is
-            normalised to sum to 1.
-        solver: ``"emd"`` or ``"sinkhorn"``.
-        reg: Sinkhorn's entropic regularisation, relative to the cost's maximum.
-        max_iter: Sinkhorn's iteration cap.
-
-    Returns:
-        ``P`` of shape ``(n, m)``, float64 on the CPU.
-    """
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    c = cost.detach().double().cpu().numpy()
-    n, m = c.shape
-    mu = _marginal(a, n)
-    nu = _marginal(b, m)
-    if solver == "emd":
-        plan, info = ot.emd(mu, nu, c, numItermax=max(100_000, 20 * n * m), log=True)
-        if info.get("warning"):
-            log.warning("OTFusion: exact OT did not converge: %s", info["warning"])
-    else:
-        if reg <= 0:
-            raise ValueError(f"Sinkhorn needs reg > 0, got {reg}")
-        scale = float(c.max()) or 1.0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # convergence is checked below
-            plan = ot.sinkhorn(
-                mu,
-                nu,
-                c / scale,
-                reg,
-                method="sinkhorn_stabilized",
-                numItermax=max_iter,
-                stopThr=1e-9,
-            )
-        error = float(np.abs(plan.sum(0) - nu).sum() + np.abs(plan.sum(1) - mu).sum())
-        if error > 1e-3:
-            log.warning(
-                "OTFusion: Sinkhorn (reg %g) is %.2g from the marginals after %d iterations",
-                reg,
-                error,
-                max_iter,
-            )
-    return torch.from_numpy(np.ascontiguousarray(plan))
-
-
-def _marginal(values: torch.Tensor | None, size: int) -> np.ndarray:
-    if values is None:
-        return np.full(size, 1.0 / size)
-    v = values.detach().double().cpu().numpy().reshape(-1)
-    if len(v) != size or (v < 0).any() or not np.isfinite(v).all() or v.sum() <= 0:
-        raise ValueError(
-            f"a marginal must be {size} finite non-negative values with a positive sum"
-        )
-    return v / v.sum()
-
-
-def row_stochastic(plan: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-    """``diag(P 1)^{-1} P``; a row without mass (a zero-score reference neuron) takes the
-    model's neuron of least cost."""
-    mass = plan.sum(1, keepdim=True)
-    empty = mass[:, 0] <= 0
-    result = plan / mass.clamp_min(torch.finfo(plan.dtype).tiny)
-    if empty.any():
-        nearest = cost.to(plan.dtype)[empty].argmin(1)
-        result[empty] = torch.nn.functional.one_hot(nearest, plan.shape[1]).to(plan.dtype)
-    return result
 
 
 # ---------------------------------------------------------------------------------- the method

@@ -60,6 +60,7 @@ from torch import nn
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import _patches, affine_view, output_rows
+from fedfuse.models.capture import hooked, run_batches
 
 log = logging.getLogger(__name__)
 
@@ -125,26 +126,19 @@ def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
     """
     levels = [i for i in model.neuron_levels if affine_view(model.levels[i]) is None]
     seen: dict[tuple[int, str], torch.Tensor] = {}  # the inputs are kept alive: ids stay unique
-    handles = []
 
-    def hook(level: int, name: str):  # noqa: ANN202
-        def record(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            seen.setdefault((level, name), args[0])
+    def record(key: tuple[int, str], _module: nn.Module, args: tuple[Any, ...], _: None) -> None:
+        seen.setdefault(key, args[0])
 
-        return record
-
-    for level in levels:
-        for name, module in _mergeable_modules(model.levels[level]):
-            handles.append(module.register_forward_pre_hook(hook(level, name)))
+    watched = {
+        (level, name): module
+        for level in levels
+        for name, module in _mergeable_modules(model.levels[level])
+    }
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        model(torch.zeros(1, *model.spec.input_shape, device=device))
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    probe = torch.zeros(1, *model.spec.input_shape, device=device)
+    with hooked(watched, record, before=True):
+        run_batches(model, probe, batch_size=1, device=device)
     layout: dict[int, list[GramBlock]] = {}
     for level in levels:
         groups: dict[tuple[Any, ...], list[str]] = {}
@@ -199,8 +193,9 @@ def level_grams(
     level's inputs computed by ``model`` itself, flattened or unfolded into patches, with a
     trailing 1 for the bias), so the Gram has shape ``(fan_in + 1, fan_in + 1)``. For any other
     level it is the block-diagonal packing of its mergeable modules' Grams (module docstring,
-    :func:`module_grams_layout`), each collected by a hook on the module's input. The model runs
-    in eval mode on its current device and is restored afterwards.
+    :func:`module_grams_layout`), each collected by a hook on the module's input
+    (:func:`~fedfuse.models.capture.hooked`). The model runs in eval mode on its current device
+    and is restored afterwards.
 
     Args:
         model: the client's model.
@@ -217,45 +212,36 @@ def level_grams(
     views = {i: affine_view(model.levels[i]) for i in model.neuron_levels}
     views = {i: v for i, v in views.items() if v is not None}
     layout = module_grams_layout(model)
-    device = next(model.parameters()).device
     grams: dict[int, torch.Tensor] = {
         index: torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64)
         for index, view in views.items()
     }
     blocks: dict[tuple[int, int], torch.Tensor] = {}
-    handles = []
+    block_modules: dict[tuple[int, int], nn.Module] = {}
     for level, level_blocks in layout.items():
         modules = dict(model.levels[level].named_modules())
         for number, block in enumerate(level_blocks):
-            gram = torch.zeros(block.size, block.size, dtype=torch.float64)
-            blocks[level, number] = gram
-            module = modules[block.modules[0]]
+            blocks[level, number] = torch.zeros(block.size, block.size, dtype=torch.float64)
+            block_modules[level, number] = modules[block.modules[0]]
 
-            def record(
-                m: nn.Module, args: tuple[Any, ...], *, _gram=gram, _bias=block.bias
-            ) -> None:
-                _accumulate(m, args[0], _bias, _gram)
+    def record_level(index: int, _level: nn.Module, args: tuple[Any, ...], y: torch.Tensor) -> None:
+        x, view = args[0], views[index]
+        rows_per_sample = max(1, len(output_rows(y[:1])))
+        step = max(1, _ROW_BUDGET // rows_per_sample)
+        for chunk in range(0, len(x), step):
+            design = view.design(x[chunk : chunk + step]).double()
+            grams[index] += (design.T @ design).cpu()
 
-            handles.append(module.register_forward_pre_hook(record))
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(data), batch_size):
-            x = data[start : start + batch_size].to(device)
-            for index, level in enumerate(model.levels):
-                y = level(x)
-                view = views.get(index)
-                if view is not None:
-                    rows_per_sample = max(1, len(output_rows(y[:1])))
-                    step = max(1, _ROW_BUDGET // rows_per_sample)
-                    for chunk in range(0, len(x), step):
-                        design = view.design(x[chunk : chunk + step]).double()
-                        grams[index] += (design.T @ design).cpu()
-                x = y
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    def record_block(
+        key: tuple[int, int], module: nn.Module, args: tuple[Any, ...], _: None
+    ) -> None:
+        _accumulate(module, args[0], layout[key[0]][key[1]].bias, blocks[key])
+
+    with (
+        hooked(block_modules, record_block, before=True),
+        hooked({index: model.levels[index] for index in views}, record_level),
+    ):
+        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
     for level, level_blocks in layout.items():
         grams[level] = torch.block_diag(*(blocks[level, n] for n in range(len(level_blocks))))
     return dict(sorted(grams.items()))

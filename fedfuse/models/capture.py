@@ -1,18 +1,26 @@
-"""Activation capture: the inputs and outputs of a model's levels on a batch of data.
+"""Activation capture: the inputs and outputs of a model's levels and submodules on a batch of data.
 
 Every fusion method that looks at representations (neuron interpolation, OTFusion, Git Re-Basin,
-FS-Merge) reads them through this module, so batching, device placement and no-grad live here once.
+FS-Merge, RegMean's Grams, BatchNorm statistics) reads them through this module, so batching,
+device placement, no-grad, forward hooks and restoring the modules' train/eval modes live here
+once: :func:`evaluating` (eval mode on a device, everything restored), :func:`hooked` (forward
+hooks on given submodules for the length of a block), :func:`run_batches` (the batched forward
+pass), and on top of them :func:`capture_levels`, :func:`capture_modules` and :func:`predict`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from fedfuse.models import LeveledModel
 from fedfuse.runtime import resolve_device
+
+Key = TypeVar("Key", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -21,6 +29,84 @@ class LevelIO:
 
     inputs: torch.Tensor
     outputs: torch.Tensor
+
+
+def _modes(model: torch.nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
+
+
+def _restore(model: torch.nn.Module, modes: list[bool]) -> None:
+    """Put every submodule back in the train/eval mode it had (a container's mode may differ)."""
+    for module, mode in zip(model.modules(), modes, strict=True):
+        module.training = mode
+
+
+@contextmanager
+def evaluating(
+    model: torch.nn.Module, device: str | torch.device = "auto"
+) -> Iterator[torch.device]:
+    """``model`` in eval mode on ``device`` (``"auto"``: CUDA when present) for the block, which
+    receives the device; afterwards, also on an error, the model is back on the device it was on
+    and every submodule in the train/eval mode it had."""
+    compute = resolve_device(device)
+    modes = _modes(model)
+    home = next(model.parameters()).device
+    model.eval()
+    try:
+        model.to(compute)
+        yield compute
+    finally:
+        model.to(home)
+        _restore(model, modes)
+
+
+@contextmanager
+def hooked(
+    modules: Mapping[Key, torch.nn.Module],
+    record: Callable[[Key, torch.nn.Module, tuple[Any, ...], Any], None],
+    *,
+    before: bool = False,
+) -> Iterator[None]:
+    """For the block, call ``record(key, module, args, output)`` after every forward call of each
+    ``modules[key]`` (a forward hook; ``before``: ``record(key, module, args, None)`` before the
+    call, a forward pre-hook), in the order the calls happen. The hooks are removed afterwards,
+    also on an error."""
+    handles = []
+    try:
+        for key, module in modules.items():
+            if before:
+
+                def pre_hook(m: torch.nn.Module, args: tuple[Any, ...], key: Key = key) -> None:
+                    record(key, m, args, None)
+
+                handles.append(module.register_forward_pre_hook(pre_hook))
+            else:
+
+                def hook(
+                    m: torch.nn.Module, args: tuple[Any, ...], output: Any, key: Key = key
+                ) -> None:
+                    record(key, m, args, output)
+
+                handles.append(module.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def run_batches(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+) -> None:
+    """Run ``model`` on ``inputs``, ``batch_size`` samples at a time, without gradients, in eval
+    mode on ``device`` (:func:`evaluating`); what it computes is read by :func:`hooked` hooks."""
+    with evaluating(model, device) as compute:
+        for start in range(0, len(inputs), batch_size):
+            model(inputs[start : start + batch_size].to(compute))
 
 
 @torch.no_grad()
@@ -52,13 +138,8 @@ def capture_levels(
     invalid = sorted(i for i in wanted if not 0 <= i < model.num_levels)
     if invalid:
         raise ValueError(f"levels {invalid} do not exist; the model has {model.num_levels}")
-    compute = resolve_device(device)
-    modes = _modes(model)
-    model.eval()
     chunks: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in wanted}
-    model_device = next(model.parameters()).device
-    try:
-        model.to(compute)
+    with evaluating(model, device) as compute:
         for start in range(0, len(inputs), batch_size):
             x = inputs[start : start + batch_size].to(compute)
             for index, level in enumerate(model.levels):
@@ -68,23 +149,10 @@ def capture_levels(
                         chunks[index][0].append(x.to(store_device))
                     chunks[index][1].append(y.to(store_device))
                 x = y
-    finally:
-        model.to(model_device)
-        _restore(model, modes)
     return {
         i: LevelIO(torch.cat(ins) if ins else torch.empty(0), torch.cat(outs))
         for i, (ins, outs) in chunks.items()
     }
-
-
-def _modes(model: torch.nn.Module) -> list[bool]:
-    return [module.training for module in model.modules()]
-
-
-def _restore(model: torch.nn.Module, modes: list[bool]) -> None:
-    """Put every submodule back in the train/eval mode it had (a container's mode may differ)."""
-    for module, mode in zip(model.modules(), modes, strict=True):
-        module.training = mode
 
 
 @torch.no_grad()
@@ -96,19 +164,11 @@ def predict(
     device: str | torch.device = "auto",
 ) -> torch.Tensor:
     """Model outputs (logits) for ``inputs``, computed in eval mode in batches, returned on CPU."""
-    compute = resolve_device(device)
-    modes = _modes(model)
-    model_device = next(model.parameters()).device
-    model.eval()
-    try:
-        model.to(compute)
+    with evaluating(model, device) as compute:
         outputs = [
             model(inputs[start : start + batch_size].to(compute)).cpu()
             for start in range(0, len(inputs), batch_size)
         ]
-    finally:
-        model.to(model_device)
-        _restore(model, modes)
     return torch.cat(outputs)
 
 
@@ -159,34 +219,17 @@ def capture_modules(
     missing = sorted({name for name, _ in wanted} - modules.keys())
     if missing:
         raise ValueError(f"the model has no modules named {missing}")
-    compute = resolve_device(device)
     chunks: dict[tuple[str, int], list[torch.Tensor]] = {probe: [] for probe in wanted}
 
-    def hook_for(name: str):  # noqa: ANN202 - a forward hook
-        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-            if pre_activation and isinstance(module, _ACTIVATIONS):
-                output = args[0]
-            for probe in wanted:
-                if probe[0] == name:
-                    rows = output.detach().movedim(probe[1], -1)
-                    chunks[probe].append(rows.reshape(-1, rows.shape[-1]).to(store_device))
+    def record(name: str, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if pre_activation and isinstance(module, _ACTIVATIONS):
+            output = args[0]
+        for probe in wanted:
+            if probe[0] == name:
+                rows = output.detach().movedim(probe[1], -1)
+                chunks[probe].append(rows.reshape(-1, rows.shape[-1]).to(store_device))
 
-        return hook
-
-    modes = _modes(model)
-    model_device = next(model.parameters()).device
-    handles = [
-        modules[name].register_forward_hook(hook_for(name))
-        for name in dict.fromkeys(name for name, _ in wanted)
-    ]
-    model.eval()
-    try:
-        model.to(compute)
-        for start in range(0, len(inputs), batch_size):
-            model(inputs[start : start + batch_size].to(compute))
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.to(model_device)
-        _restore(model, modes)
+    names = dict.fromkeys(name for name, _ in wanted)
+    with hooked({name: modules[name] for name in names}, record):
+        run_batches(model, inputs, batch_size=batch_size, device=device)
     return {probe: torch.cat(rows) for probe, rows in chunks.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfuse.runtime import resolve_device
+from fedfuse.models.capture import evaluating, hooked, run_batches
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -31,29 +31,16 @@ def batchnorm_input_statistics(
         return {}
     sums: dict[str, list[torch.Tensor | int]] = {}
 
-    def hook(name: str):
-        def record(_module: nn.Module, args: tuple[torch.Tensor, ...], _out: object) -> None:
-            x = args[0].detach().double()
-            rows = x.movedim(1, -1).reshape(-1, x.shape[1])
-            total = sums.setdefault(name, [0, 0, 0])
-            total[0] = total[0] + rows.sum(0)
-            total[1] = total[1] + (rows * rows).sum(0)
-            total[2] = int(total[2]) + len(rows)
+    def record(name: str, _module: nn.Module, args: tuple[torch.Tensor, ...], _out: object) -> None:
+        x = args[0].detach().double()
+        rows = x.movedim(1, -1).reshape(-1, x.shape[1])
+        total = sums.setdefault(name, [0, 0, 0])
+        total[0] = total[0] + rows.sum(0)
+        total[1] = total[1] + (rows * rows).sum(0)
+        total[2] = int(total[2]) + len(rows)
 
-        return record
-
-    modes = [m.training for m in model.modules()]
-    handles = [m.register_forward_hook(hook(name)) for name, m in norms.items()]
-    device = next(model.parameters()).device
-    try:
-        model.eval()
-        for start in range(0, len(data), batch_size):
-            model(data[start : start + batch_size].to(device))
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, mode in zip(model.modules(), modes, strict=True):
-            module.training = mode
+    with hooked(norms, record):
+        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
     result = {}
     for name, (total, squares, count) in sums.items():
         mean = total / count
@@ -119,22 +106,16 @@ def reset_batchnorm_statistics(
         return model
     if len(data) == 0:
         raise ValueError("cannot reset BatchNorm statistics on an empty fusion set")
-    compute = resolve_device(device)
-    modes = [m.training for m in model.modules()]
     momenta = [m.momentum for m in norms]
-    home = next(model.parameters()).device
-    try:
-        model.eval().to(compute)
-        for norm in norms:
-            norm.reset_running_stats()
-            norm.momentum = None
-            norm.train()
-        for start in range(0, len(data), batch_size):
-            model(data[start : start + batch_size].to(compute))
-    finally:
-        for norm, momentum in zip(norms, momenta, strict=True):
-            norm.momentum = momentum
-        for module, mode in zip(model.modules(), modes, strict=True):
-            module.training = mode
-        model.to(home)
+    with evaluating(model, device) as compute:
+        try:
+            for norm in norms:
+                norm.reset_running_stats()
+                norm.momentum = None
+                norm.train()  # BatchNorm alone in train mode: it accumulates the statistics
+            for start in range(0, len(data), batch_size):
+                model(data[start : start + batch_size].to(compute))
+        finally:
+            for norm, momentum in zip(norms, momenta, strict=True):
+                norm.momentum = momentum
     return model

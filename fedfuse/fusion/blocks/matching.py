@@ -2,8 +2,9 @@ r"""Matching neurons: the costs between them and the one-to-one assignment (Hung
 
 * Costs between the neurons of two levels, from their outputs over the same rows:
   :func:`squared_distances` (OTFusion, Git Re-Basin's ``"l2"``) and :func:`correlation` (Git
-  Re-Basin), accumulated in float64 chunks (:func:`neuron_rows`); :func:`pairing_cost` weighs a
-  squared distance by the two neurons' importance (Hungarian Fusion).
+  Re-Basin; FS-Merge's ZipIt matching), accumulated in float64 chunks (:func:`neuron_rows`);
+  :func:`pairing_cost` weighs a squared distance by the two neurons' importance (Hungarian
+  Fusion).
 * :func:`linear_assignment`: the linear assignment problem, solved exactly by SciPy's
   ``linear_sum_assignment`` (a Hungarian-type algorithm). For a cost matrix :math:`C \in
   \mathbb{R}^{n \times m}`, :math:`n \le m`, it returns the injective :math:`\pi` with
@@ -124,29 +125,74 @@ def squared_distances(a: torch.Tensor, b: torch.Tensor, batch_size: int = 256) -
 
 
 def correlation(
-    a: torch.Tensor, b: torch.Tensor, batch_size: int = 256, eps: float = 1e-12
+    a: torch.Tensor,
+    b: torch.Tensor | None = None,
+    batch_size: int = 256,
+    eps: float = 1e-12,
+    *,
+    one_pass: bool = False,
 ) -> torch.Tensor:
-    """Pearson correlation ``(n, m)`` between the neurons of ``a`` and ``b``.
+    r"""Pearson correlation ``(n, m)`` between the neurons of ``a`` and ``b``.
+
+    The correlation of neurons :math:`i` and :math:`j` over the rows :math:`r = 1..R` (samples x
+    positions) is :math:`\rho_{ij} = \operatorname{cov}(a_i, b_j) / (\sigma(a_i)\,\sigma(b_j))`,
+    accumulated in float64 chunks of ``batch_size`` samples (:func:`neuron_rows`).
 
     Args:
         a, b: level outputs ``(N, n, ...)`` and ``(N, m, ...)`` (or ``(R, n)`` matrices); a
             neuron's values are its column of :func:`~fedfuse.models.affine.output_rows`.
-        batch_size: samples per float64 chunk (two passes: means, then centred products).
-        eps: floor of a neuron's norm; a constant (dead) neuron has correlation 0 with all.
+            ``b`` None: the ``(n, n)`` correlation of ``a``'s neurons among themselves.
+        batch_size: samples per float64 chunk.
+        eps: when a neuron counts as constant (dead); a constant neuron has correlation 0 with
+            all. Two passes: the floor of a neuron's centred norm. ``one_pass``: the share of
+            the largest standard deviation a neuron's must exceed.
+        one_pass: how the moments are taken. False (Git Re-Basin, feature-space matching): two
+            passes, the means first, then the centred products. True (FS-Merge's ZipIt
+            matching): one pass over raw moments, :math:`\operatorname{cov} = E[ab] -
+            E[a]E[b]`, the variances taken from the same products (the diagonal when ``b`` is
+            None), the result clipped to ``[-1, 1]``.
     """
-    if len(a) != len(b):
-        raise ValueError(f"{len(a)} and {len(b)} rows: neurons must be seen on the same inputs")
+    other = a if b is None else b
+    if len(a) != len(other):
+        raise ValueError(f"{len(a)} and {len(other)} rows: neurons must be seen on the same inputs")
+    n, m = a.shape[1], other.shape[1]
+    if one_pass:
+        joint = n if b is None else n + m
+        total = a.new_zeros(joint, dtype=torch.float64)
+        gram = a.new_zeros(joint, joint, dtype=torch.float64)
+        chunks = (
+            neuron_rows(a, batch_size)
+            if b is None
+            else (
+                torch.cat(pair, 1)
+                for pair in zip(neuron_rows(a, batch_size), neuron_rows(b, batch_size), strict=True)
+            )
+        )
+        rows = 0
+        for block in chunks:
+            total += block.sum(0)
+            gram += block.T @ block
+            rows += len(block)
+        mean = total / rows
+        cov = gram / rows - torch.outer(mean, mean)
+        std = cov.diagonal().clamp_min(0).sqrt()
+        alive = std > eps * std.max().clamp_min(1e-300)
+        scale = torch.where(alive, std, torch.ones_like(std))
+        corr = cov / torch.outer(scale, scale)
+        corr[~alive] = 0
+        corr[:, ~alive] = 0
+        return corr.clamp(-1, 1) if b is None else corr[:n, n:].clamp(-1, 1)
     means = []
-    for z in (a, b):
+    for z in (a, other):
         total, rows = z.new_zeros(z.shape[1], dtype=torch.float64), 0
         for chunk in neuron_rows(z, batch_size):
             total += chunk.sum(0)
             rows += len(chunk)
         means.append(total / max(rows, 1))
-    cross = a.new_zeros(a.shape[1], b.shape[1], dtype=torch.float64)
-    norms_a = a.new_zeros(a.shape[1], dtype=torch.float64)
-    norms_b = a.new_zeros(b.shape[1], dtype=torch.float64)
-    for za, zb in zip(neuron_rows(a, batch_size), neuron_rows(b, batch_size), strict=True):
+    cross = a.new_zeros(n, m, dtype=torch.float64)
+    norms_a = a.new_zeros(n, dtype=torch.float64)
+    norms_b = a.new_zeros(m, dtype=torch.float64)
+    for za, zb in zip(neuron_rows(a, batch_size), neuron_rows(other, batch_size), strict=True):
         za, zb = za - means[0], zb - means[1]
         cross += za.T @ zb
         norms_a += (za * za).sum(0)

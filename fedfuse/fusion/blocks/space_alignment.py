@@ -13,7 +13,7 @@ stream, the output of every block that writes to it), and turns the comparison i
 * :func:`block_assignment`: the permutation minimising the cost (Hungarian), solved per group of
   a grouped space (attention heads: a permutation never leaves its head);
 * :func:`block_transport`: the optimal transport map (POT, per group, rows normalised to be
-  barycentric) of OTFusion;
+  barycentric; :mod:`fedfuse.fusion.blocks.transport`) of OTFusion;
 * :func:`align_model`: a copy of a model with each space's features replaced by ``map @ features``
   (:func:`~fedfuse.models.symmetry.map_state` on every axis of the space, BatchNorm buffers
   included), so a permutation keeps the function exactly.
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from fedfuse.fusion.blocks.matching import correlation, linear_assignment, squared_distances
+from fedfuse.fusion.blocks.transport import row_stochastic, transport_plan
 from fedfuse.models import LeveledModel
 from fedfuse.models.capture import capture_modules
 from fedfuse.models.symmetry import FeatureSpace, feature_spaces, map_state
@@ -131,11 +132,6 @@ def block_transport(
     each group's plan normalised by its rows. With equal group sizes, exact OT gives a
     permutation matrix.
     """
-    from fedfuse.fusion.otfusion import (  # local: otfusion imports this module
-        row_stochastic,
-        transport_plan,
-    )
-
     n, m = cost.shape
     matrix = torch.zeros(n, m, dtype=torch.float64)
     total = 0.0

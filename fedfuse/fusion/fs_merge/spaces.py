@@ -54,7 +54,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fedfuse.fusion.fs_merge.matrices import FoldableMatrix
 from fedfuse.models import LeveledModel
+from fedfuse.models.capture import hooked, run_batches
 from fedfuse.models.symmetry import FeatureSpace, feature_spaces
 
 NORMS = (nn.LayerNorm, nn.GroupNorm)
@@ -131,8 +133,6 @@ class SpaceSuperNet(nn.Module):
         """``inits[space] = (assign, merge_diagonal)`` for the :class:`FoldableMatrix` of every
         site of that space (unmerge diagonal: ones)."""
         super().__init__()
-        from fedfuse.fusion.fs_merge import FoldableMatrix  # local: fs_merge imports this module
-
         self.count = len(models)
         skeleton = copy.deepcopy(models[0]).eval().requires_grad_(False)
         self._body = [_Body(skeleton)]  # not a submodule: its parameters are not learned
@@ -238,21 +238,16 @@ class SpaceSuperNet(nn.Module):
 def probe_rows(
     model: LeveledModel, data: torch.Tensor, space: FeatureSpace, batch_size: int = 256
 ) -> torch.Tensor:
-    """The features of ``space`` at its probes on ``data``, as rows ``(R, size)``."""
+    """The features of ``space`` at its probes on ``data``, as rows ``(R, size)`` (float32), in
+    the order the probes fire, batch by batch; the model runs in eval mode on its device."""
     modules = dict(model.named_modules())
     rows: list[torch.Tensor] = []
-    handles = []
-    for name, dim in space.probes:
 
-        def hook(_module, _inputs, output, dim=dim) -> None:
-            moved = output.detach().movedim(dim, -1)
-            rows.append(moved.reshape(-1, moved.shape[-1]).float())
+    def record(probe: int, _module: nn.Module, _args: tuple, output: torch.Tensor) -> None:
+        moved = output.detach().movedim(space.probes[probe][1], -1)
+        rows.append(moved.reshape(-1, moved.shape[-1]).float())
 
-        handles.append(modules[name].register_forward_hook(hook))
-    try:
-        for start in range(0, len(data), batch_size):
-            model(data[start : start + batch_size])
-    finally:
-        for handle in handles:
-            handle.remove()
+    watched = {i: modules[name] for i, (name, _) in enumerate(space.probes)}
+    with hooked(watched, record):
+        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
     return torch.cat(rows, 0)
