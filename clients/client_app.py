@@ -7,6 +7,9 @@ Simulation: a site's data is its partition (``partition-id`` / ``num-partitions`
 of the configured dataset. Deployment: start the SuperNode with
 ``--node-config "partition-id=<site id> data-path='/path/site.npz'"`` (see
 :mod:`fedfuse.data.arrays` for the file). Run config keys are those of ``RunSettings``.
+
+Each handler is glue only: the settings, the site's identity, the message unpacked, one call of
+the site's Flower-free work (:mod:`fedfuse.federation.site`), the reply packed.
 """
 
 from __future__ import annotations
@@ -14,19 +17,19 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedfuse.federation.scenario import RunSettings
+from fedfuse.federation.site import answer_statistics_request, finetune_site, train_site
+from fedfuse.federation.site_cache import run_site_cache
 from fedfuse.runtime import configure_logging
+from fedfuse.settings.run import RunSettings
 
 from .records import (
-    WEIGHTS_KEY,
     pack_finetune_reply,
     pack_statistics,
     pack_upload,
     unpack_finetune_request,
     unpack_statistics_request,
-    unpack_tensors,
+    unpack_train_request,
 )
-from .site import answer_statistics_request, finetune_site, train_site
 
 app = ClientApp()
 
@@ -52,13 +55,21 @@ def site_identity(context: Context) -> tuple[int, int, str | None]:
 
 @app.train()
 def train_and_upload(msg: Message, context: Context) -> Message:
-    """Train on the site's data, compute importance scores, reply with weights + scores."""
+    """Train on the site's data, compute importance scores, reply with weights + scores (and
+    the Gram matrices when the server's message asks for them)."""
     configure_logging()
     settings = RunSettings.from_config(context.run_config)
     partition_id, num_partitions, data_path = site_identity(context)
-    initial = msg.content.array_records.get(WEIGHTS_KEY)
-    initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
-    upload = train_site(settings, partition_id, num_partitions, initial_state, data_path=data_path)
+    initial_state, send_grams = unpack_train_request(msg.content)
+    upload = train_site(
+        settings,
+        partition_id,
+        num_partitions,
+        initial_state,
+        data_path=data_path,
+        send_grams=send_grams,
+        cache=run_site_cache(settings, partition_id, num_partitions, data_path),
+    )
     return Message(content=pack_upload(upload), reply_to=msg)
 
 

@@ -1,5 +1,6 @@
-"""The wire format of a client's upload (weights, importance scores, site facts), of the
-statistics rounds (the server's request, the site's statistics) and of the fine-tuning round
+"""The wire format of the server's train message (the initial model, whether to send Gram
+matrices), of a client's upload (weights, importance scores, site facts), of the statistics
+rounds (the server's request, the site's statistics) and of the fine-tuning round
 after fusion (the fused model out, each site's fine-tuned copy back).
 
 Both sides use these helpers, so the record keys are defined once. Tensors travel as Flower
@@ -26,6 +27,30 @@ GRAMS_KEY = "grams"
 CONFIG_KEY = "config"
 #: metrics ``seconds-<phase>``: the wall time of a site's phases
 SECONDS_PREFIX = "seconds-"
+#: train-message config key: whether the site uploads its level Gram matrices (a method of the
+#: run reads them, :func:`fedfuse.federation.uploads.needs_grams`)
+SEND_GRAMS_KEY = "send-grams"
+
+
+def pack_train_request(
+    arrays: ArrayRecord, config: ConfigRecord, *, send_grams: bool
+) -> RecordDict:
+    """The server's train message: the initial model (empty unless ``init="shared"``) and its
+    ``config`` with ``send-grams`` added."""
+    config[SEND_GRAMS_KEY] = bool(send_grams)
+    return RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
+
+
+def unpack_train_request(
+    content: RecordDict,
+) -> tuple[dict[str, torch.Tensor] | None, bool | None]:
+    """The initial model of a train message (None when it holds none) and whether to send Gram
+    matrices (None when the message does not say: the site then asks the run's methods)."""
+    initial = content.array_records.get(WEIGHTS_KEY)
+    initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
+    config = content.config_records.get(CONFIG_KEY)
+    send_grams = config.get(SEND_GRAMS_KEY) if config is not None else None
+    return initial_state, None if send_grams is None else bool(send_grams)
 
 
 def pack_upload(upload: ClientUpload) -> RecordDict:

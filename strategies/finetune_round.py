@@ -2,7 +2,7 @@
 fused model on their own data and the server averages what comes back.
 
 Every site that uploaded gets a ``train.finetune`` message with the fused model; it trains for
-the run's ``finetune-epochs`` (:func:`fedfuse.clients.site.finetune_site`) and replies with its
+the run's ``finetune-epochs`` (:func:`fedfuse.federation.site.finetune_site`) and replies with its
 copy. Replies are taken as they arrive, with the train round's reply timeout and flow control,
 validated (architecture, finite weights) and folded into a running FedAvg weighted by the
 sites' sample counts (every state-dict entry, BatchNorm statistics included). A site that

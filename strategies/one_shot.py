@@ -24,14 +24,14 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedfuse.clients.records import CONFIG_KEY, WEIGHTS_KEY
+from fedfuse.clients.records import pack_train_request
 from fedfuse.data import ImageDataset
-from fedfuse.federation.uploads import StoredUpload, UploadStore
-from fedfuse.fusion import FusionInputs, FusionMethod, FusionResult
+from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
+from fedfuse.fusion import FusionMethod, FusionResult
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import LeveledModel, ModelSpec
 
@@ -169,7 +169,7 @@ class OneShotFusion(Strategy):
         if self.before_training is not None:
             self.before_training(len(self._sent))
         config["server-round"] = server_round
-        content = RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
+        content = pack_train_request(arrays, config, send_grams=needs_grams(self.methods))
         log.info("sending the one train message to %d sites", len(self._sent))
         return [
             Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
@@ -325,17 +325,13 @@ class OneShotFusion(Strategy):
         started = time.monotonic()
         fusion_set = self.fusion_set(self.num_partitions) if self.fusion_set else None
         entries = self.store.entries
-        inputs = FusionInputs(
-            data=fusion_set.inputs() if fusion_set is not None else None,
-            labels=fusion_set.labels if fusion_set is not None else None,
-            scores=self.store.scores(),
-            sample_counts=[e.num_examples for e in entries],
-            class_counts=[e.class_counts for e in entries],
-            grams=self.store.grams(),
-        )
         models = self.store.models()
-        if any("sites" in method.needs() for method in self.methods):
-            inputs.sites = self._statistics_channel(models)
+        sites = (
+            self._statistics_channel(models)
+            if any("sites" in method.needs() for method in self.methods)
+            else None
+        )
+        inputs = fusion_inputs(self.store, fusion_set, sites=sites)
         for method in self.methods:
             method_started = time.monotonic()
             try:

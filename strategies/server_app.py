@@ -37,7 +37,7 @@ from fedfuse.federation.evaluation import (
     format_accuracy_table,
     format_level_summary,
 )
-from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed, initial_seed
+from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod
 from fedfuse.io.atomic import write_json
@@ -45,6 +45,7 @@ from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.runtime import configure_logging, seed_everything
+from fedfuse.settings.run import RunSettings, finetune_seed, initial_seed
 from fedfuse.training.finetune import finetune
 
 from .one_shot import OneShotFusion
@@ -295,7 +296,7 @@ class OneShotRun:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Entry point of ``flwr run``: one-shot fusion with the run config's strategy."""
+    """Entry point of ``flwr run``: one-shot fusion with the run's methods (key ``strategy``)."""
     started = time.monotonic()
     configure_logging()
     report: dict[str, Any] = {

@@ -1,4 +1,8 @@
-"""Shared fixtures: small models and isolated Flower state for end-to-end tests."""
+"""Shared fixtures: small models and one torch thread (Flower's ones: ``flower/conftest.py``).
+
+Fixtures that a whole file needs are not autouse here: such a file names them once in its
+``pytestmark = pytest.mark.usefixtures(...)``.
+"""
 
 from __future__ import annotations
 
@@ -23,3 +27,13 @@ def tiny_vgg():
 @pytest.fixture
 def generator():
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one intra-op thread for the test, then as before: tiny models only lose from
+    threads on a busy (shared) machine, and one thread keeps reductions in one order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

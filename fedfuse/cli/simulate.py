@@ -161,7 +161,7 @@ def _wait_for_run(
 def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
     listed fusion method must be able to fuse ``num_clients`` sites."""
-    from fedfuse.federation.scenario import RunSettings
+    from fedfuse.settings.run import RunSettings
 
     # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
     methods = RunSettings.from_config(config).fusion_methods()
@@ -346,31 +346,3 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         help="leave the local SuperLink that this command started running",
     )
     sim.set_defaults(handler=simulate)
-
-
-def simulate_command(
-    *,
-    sites: int,
-    output_dir: str | Path,
-    run_config: str,
-    cpus_per_client: int = 1,
-    timeout: float = 3600.0,
-) -> list[str]:
-    """The ``fedfuse simulate`` command line, run in this interpreter, that experiments launch
-    as a subprocess (a simulation owns its process tree: Ray, the local SuperLink)."""
-    return [
-        sys.executable,
-        "-m",
-        "fedfuse.cli.main",
-        "simulate",
-        "--num-clients",
-        str(sites),
-        "--cpus-per-client",
-        str(cpus_per_client),
-        "--timeout",
-        str(timeout),
-        "--output-dir",
-        str(output_dir),
-        "--run-config",
-        run_config,
-    ]

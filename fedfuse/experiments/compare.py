@@ -42,11 +42,13 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from fedfuse.cli.simulate import simulate_command
 from fedfuse.federation.evaluation import evaluate_fusion
-from fedfuse.federation.scenario import RunSettings, Scenario, finetune_seed
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.simulation import simulate_command
+from fedfuse.federation.site import finetune_site, train_site
 from fedfuse.federation.site_cache import SiteCache, site_set_key
-from fedfuse.fusion import FusionInputs, FusionMethod
+from fedfuse.federation.uploads import fusion_inputs, needs_grams
+from fedfuse.fusion import FusionMethod
 from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -57,6 +59,7 @@ from fedfuse.settings.hydra import (
     method_label,
     settings_from_config,
 )
+from fedfuse.settings.run import RunSettings, finetune_seed
 from fedfuse.training.finetune import average_models, finetune, state_bytes
 
 log = logging.getLogger("fedfuse.experiments.compare")
@@ -129,7 +132,7 @@ class Job:
         self.sweep_dir = Path(str(cfg.output_dir)).expanduser().resolve() / str(cfg.sweep)
         cache_dir = str(cfg.cache_dir) or str(Path(str(cfg.output_dir)) / "site-sets")
         self.cache = SiteCache(cache_dir)
-        settings = settings_from_config(cfg)
+        settings = settings_from_config(cfg, self.method)
         self.settings = replace(settings, site_cache=str(self.cache.root))
         self.finetunes = self.settings.finetune_epochs > 0
         self.id = row_id(self.settings, self.sites, self.method, self.runner)
@@ -250,15 +253,18 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 def _run_library(job: Job, scenario: Scenario) -> Outcome:
     """Train (or load) the sites in-process, fuse with the job's method, evaluate; then, when
     the job fine-tunes, fine-tune the fused model and evaluate that too."""
-    from fedfuse.clients.site import (
-        train_site,  # the sites' own code path, as the ClientApp runs it
-    )
-
-    settings = replace(job.settings, strategy=job.method.name)
+    settings = job.settings
+    send_grams = needs_grams([job.method])  # what the server's train message would say
     threads = torch.get_num_threads()
     try:
-        uploads = [
-            train_site(settings, pid, job.sites)
+        uploads = [  # the sites' own code path, as the ClientApp runs it
+            train_site(
+                settings,
+                pid,
+                job.sites,
+                send_grams=send_grams,
+                cache=job.cache.site(settings, pid, job.sites),
+            )
             for pid in tqdm(range(job.sites), desc=f"sites ({job.id})", disable=None)
         ]
     finally:
@@ -297,20 +303,13 @@ def _fuse_library(
     job: Job, scenario: Scenario, settings: RunSettings, models, uploads
 ) -> tuple[Any, dict[str, Any]]:
     """The job's method fused over the sites; the fused model and the row's fusion fields."""
-    needs = job.method.needs() if hasattr(job.method, "needs") else None
-    fusion_set = scenario.fusion_set() if needs is None or needs & {"data", "labels"} else None
-    available = {
-        "data": fusion_set.inputs() if fusion_set is not None else None,
-        "labels": fusion_set.labels if fusion_set is not None else None,
-        "scores": [u.scores for u in uploads],
-        "sample_counts": [u.num_examples for u in uploads],
-        "class_counts": [u.class_counts for u in uploads],
-        "grams": [u.grams for u in uploads] if all(u.grams for u in uploads) else None,
-    }
-    if needs is None or "sites" in needs:  # statistics rounds answered in-process
+    needs = job.method.needs()
+    fusion_set = scenario.fusion_set() if needs & {"data", "labels"} else None
+    sites = None
+    if "sites" in needs:  # statistics rounds answered in-process
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
-        available["sites"] = LocalSites(models, site_inputs, device=settings.device)
-    inputs = FusionInputs(**{k: v for k, v in available.items() if needs is None or k in needs})
+        sites = LocalSites(models, site_inputs, device=settings.device)
+    inputs = fusion_inputs(uploads, fusion_set, sites=sites, needs=needs)
     with PeakMemory() as peak:
         result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
     return result.model, {
@@ -349,8 +348,6 @@ def _finetune_library(
 ) -> dict[str, Any]:
     """The fine-tuned row's fields: ``fused`` fine-tuned on the fusion set, or on every site
     in-process and averaged (what the Flower round does), then evaluated."""
-    from fedfuse.clients.site import finetune_site
-
     s = job.settings
     started = time.perf_counter()
     rounds = list(base.get("round_upload_bytes") or [])

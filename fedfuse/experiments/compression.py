@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from fedfuse.experiments.speed import peak_rss_gib
-from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import Scenario
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.models import build_model, make_spec
 from fedfuse.models.importance import importance_scores
 from fedfuse.runtime import configure_logging
+from fedfuse.settings.run import RunSettings
 from fedfuse.training.loop import TrainConfig, evaluate, train
 
 log = logging.getLogger("fedfuse.experiments.compression")

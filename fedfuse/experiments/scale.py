@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from fedfuse.cli.simulate import simulate_command
+from fedfuse.federation.simulation import simulate_command
 
 log = logging.getLogger(__name__)
 

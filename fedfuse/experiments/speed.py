@@ -1,8 +1,9 @@
 """Fusion speed and memory benchmark: wall time and peak RSS of fusing two models.
 
 Timing does not need trained models: the fused models are independently initialised and the
-fusion set is random, with the shapes of the paper's runtime experiment (two VGG11s, 400 samples
-of 32x32x3; App. F.5 Table 10). Each method runs ``repeats`` times in this process; the median
+fusion set is random, with the shapes of the paper's runtime experiment (two VGG11s, the run
+default of :data:`~fedfuse.settings.run.DEFAULT_FUSION_SAMPLES` samples of 32x32x3; App. F.5
+Table 10). Each method runs ``repeats`` times in this process; the median
 is reported next to the paper's GPU time for the same method, as a ratio.
 """
 
@@ -17,8 +18,10 @@ from typing import Any
 import torch
 
 from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
+from fedfuse.fusion.base import parse_method_names
 from fedfuse.models import build_model, make_spec
 from fedfuse.runtime import resolve_device
+from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ def measure(
     arch: str = "vgg11",
     input_shape: tuple[int, ...] = (3, 32, 32),
     width: float = 1.0,
-    samples: int = 400,
+    fusion_samples: int = DEFAULT_FUSION_SAMPLES,
     repeats: int = 1,
     device: str = "auto",
     options: dict[str, dict[str, Any]] | None = None,
@@ -48,7 +51,7 @@ def measure(
     )
     spec = make_spec(arch, input_shape, 10, **arch_options)
     models = [build_model(spec, seed=s) for s in (1, 2)]
-    data = torch.randn(samples, *input_shape, generator=torch.Generator().manual_seed(0))
+    data = torch.randn(fusion_samples, *input_shape, generator=torch.Generator().manual_seed(0))
     inputs = FusionInputs(data=data, sample_counts=[1, 1])
     rows = []
     for name in methods:
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """``fedfuse speed``: print the timing table."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = args.methods.split(",")
+    methods = parse_method_names(args.methods)
     shared = parse_options(args.options) if args.options else {}
     options = {m: shared for m in methods if m not in ("vanilla", "fedavg")}
     shape = tuple(int(d) for d in args.input_shape.split(","))
@@ -109,13 +112,13 @@ def run(args: argparse.Namespace) -> int:
         arch=args.arch,
         input_shape=shape,
         width=args.width,
-        samples=args.samples,
+        fusion_samples=args.fusion_samples,
         repeats=args.repeats,
         device=args.device,
         options=options,
     )
     header = (
-        f"fusing two {args.arch} (width {args.width}) on {args.samples} samples of "
+        f"fusing two {args.arch} (width {args.width}) on {args.fusion_samples} samples of "
         f"{args.input_shape}; device {resolve_device(args.device)}, "
         f"{torch.get_num_threads()} threads"
     )
@@ -131,7 +134,13 @@ def register_cli(subparsers: Any) -> None:
         "--width", type=float, default=1.0, help="vgg11 width multiplier, or the mlp's hidden width"
     )
     parser.add_argument("--input-shape", default="3,32,32")
-    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument(
+        "--fusion-samples",
+        "--samples",
+        type=int,
+        default=DEFAULT_FUSION_SAMPLES,
+        help="samples in the (random) fusion set",
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")

@@ -2,9 +2,10 @@
 
 One-shot fusion does not need a federation once the clients' checkpoints exist: this module
 loads them (with their importance scores and sample/class counts), builds the server's
-:class:`~fedfuse.fusion.FusionInputs` from a fusion set given as a short spec string, runs any
-registered fusion method, and writes the fused model as a checkpoint that records how it was
-made. It is Flower-free; :func:`register_cli` adds the ``fuse`` subcommand to a CLI parser.
+:class:`~fedfuse.fusion.FusionInputs` (:func:`~fedfuse.federation.uploads.fusion_inputs`) from a
+fusion set given as a short spec string, and runs any registered fusion method. It is
+Flower-free; the ``fedfuse fuse`` command (:mod:`fedfuse.cli.fuse`) writes the fused model as a
+checkpoint that records how it was made.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 from fedfuse.data import ImageDataset, load_dataset, load_npz_dataset
 from fedfuse.data._common import SPLITS
 from fedfuse.federation.evaluation import format_level_summary
-from fedfuse.federation.uploads import UploadStore
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.uploads import UploadFacts, UploadStore, fusion_inputs
 from fedfuse.fusion import (
-    FusionInputs,
     FusionMethod,
     FusionResult,
     make_fusion_method,
@@ -33,6 +34,7 @@ from fedfuse.io.checkpoint import Checkpoint, load_checkpoint
 from fedfuse.io.validation import as_count
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.importance import Scores
+from fedfuse.settings.run import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +253,7 @@ def fuse_pool(
     if "grams" in needed and pool.grams is None:
         raise ValueError(
             f"fusion method {method!r} needs every site's Gram matrices, and these models have "
-            "none (the sites upload them only when a listed strategy needs them)"
+            "none (the sites upload them only when a method of the run needs them)"
         )
     scores = None
     if use_scores:
@@ -271,14 +273,8 @@ def fuse_pool(
         if field_name in needed and missing:
             key = "num_examples" if field_name == "sample_counts" else "class_counts"
             raise ValueError(f"{method} needs each model's {key!r}; missing in {_names(missing)}")
-    inputs = FusionInputs(
-        data=None if fusion_data is None else fusion_data.inputs(),
-        labels=None if fusion_data is None else fusion_data.labels,
-        scores=scores,
-        sample_counts=pool.sample_counts,
-        class_counts=pool.class_counts,
-        grams=pool.grams,
-    )
+    facts = UploadFacts(scores, pool.sample_counts, pool.class_counts, pool.grams)
+    inputs = fusion_inputs(facts, fusion_data)
     target = None
     if target_widths is not None:
         try:
@@ -383,8 +379,6 @@ def run_pool(run_dir: str | Path) -> tuple[FusionPool, UploadStore, dict[str, An
 
 def run_fusion_set(settings: dict[str, Any], store: UploadStore) -> ImageDataset:
     """The fusion set the run's server used (same settings and seed), rebuilt."""
-    from fedfuse.federation.scenario import RunSettings, Scenario
-
     run = RunSettings.from_config(settings, allow_unknown=True)
     partitions = {e.num_partitions for e in store.entries}
     return Scenario(run, max(partitions)).fusion_set()

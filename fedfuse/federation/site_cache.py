@@ -9,10 +9,12 @@ its directory name::
                                          and its importance scores by score method
     <root>/<key>/site_set.json          the settings behind the key, class counts, evaluations
 
-Both runners of ``fedfuse compare`` go through :func:`clients.site.train_site`, which reads and
-writes this cache when the run config's ``site-cache`` names a root, so the library runner and a
-real Flower simulation share trained sites. Files are written atomically; an entry whose key,
-architecture or tensors do not check out is ignored with a warning and recomputed.
+Both runners of ``fedfuse compare`` go through :func:`fedfuse.federation.site.train_site`,
+which reads and writes one site's entry (:meth:`SiteCache.site`) when its caller passes one:
+the library runner does, and so does a Flower site when the run config's ``site-cache`` names a
+root (:func:`run_site_cache`), so the library runner and a real Flower simulation share trained
+sites. Files are written atomically; an entry whose key, architecture or tensors do not check
+out is ignored with a warning and recomputed.
 """
 
 from __future__ import annotations
@@ -20,18 +22,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedfuse.federation.scenario import RunSettings
+from fedfuse.federation.site import TrainedSite
 from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import ContributionError, validate_scores
-from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models import ModelSpec
 from fedfuse.models.importance import Scores
+from fedfuse.settings.run import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +87,8 @@ def site_set_key(settings: RunSettings, num_sites: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@dataclass
-class CachedSite:
-    """One cached site: its model, facts, scores by score method and Grams (if computed)."""
-
-    model: LeveledModel
-    facts: dict[str, Any]
-    scores: dict[str, Scores] = field(default_factory=dict)
-    grams: dict[int, torch.Tensor] | None = None
+#: one cached site: its model, facts, scores by score method and Grams (if computed)
+CachedSite = TrainedSite
 
 
 class SiteCache:
@@ -166,3 +162,38 @@ class SiteCache:
                 },
             )
         return path
+
+    def site(self, settings: RunSettings, site: int, num_sites: int) -> CachedSiteEntry:
+        """Site ``site``'s entry in the site set of ``settings`` and ``num_sites`` sites: the
+        cache :func:`fedfuse.federation.site.train_site` takes."""
+        return CachedSiteEntry(self, settings, site, num_sites)
+
+
+class CachedSiteEntry:
+    """One site's entry of a :class:`SiteCache`: ``load()`` and ``save(entry)`` (a
+    :class:`~fedfuse.federation.site.TrainedSiteCache`)."""
+
+    def __init__(self, cache: SiteCache, settings: RunSettings, site: int, num_sites: int) -> None:
+        self.cache = cache
+        self.settings = settings
+        self.index = site
+        self.num_sites = num_sites
+
+    def load(self) -> CachedSite | None:
+        return self.cache.load(self.settings, self.index, self.num_sites)
+
+    def save(self, site: CachedSite) -> None:
+        self.cache.save(self.settings, self.index, self.num_sites, site)
+
+    def __str__(self) -> str:
+        return str(self.cache.root)
+
+
+def run_site_cache(
+    settings: RunSettings, partition_id: int, num_partitions: int, data_path: str | None = None
+) -> CachedSiteEntry | None:
+    """A simulated site's entry of the run config's ``site-cache`` (None: the run keeps no
+    site cache, or the site trains on its own data file)."""
+    if not settings.site_cache or data_path:
+        return None
+    return SiteCache(settings.site_cache).site(settings, partition_id, num_partitions)

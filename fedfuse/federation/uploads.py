@@ -6,19 +6,25 @@ matrices and the site's facts, see :mod:`fedfuse.io.checkpoint`) the moment it i
 hands fusion methods lazy sequences: a model is loaded memory-mapped only when a method asks for
 it, and a site's Gram matrices only while RegMean sums them. The same directory is what
 ``fedfuse fuse <run dir>`` fuses again with another method, long after the sites went home.
+
+:func:`fusion_inputs` is the one place the server's :class:`~fedfuse.fusion.FusionInputs` are
+built from uploads (a store, the uploads themselves, or the facts read from checkpoint files)
+and its fusion set; :func:`needs_grams` says whether the sites must upload Gram matrices.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
 import torch
 
+from fedfuse.data import ImageDataset
+from fedfuse.fusion import FusionInputs, FusionMethod
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import ContributionError, validate_partition, validate_site_facts
 from fedfuse.models import LeveledModel, ModelSpec
@@ -281,3 +287,69 @@ def _has_grams(path: Path) -> bool:
 
     with safe_open(str(path), framework="pt") as handle:
         return any(name.startswith("grams.") for name in handle.keys())  # noqa: SIM118
+
+
+def needs_grams(methods: Iterable[FusionMethod]) -> bool:
+    """Whether one of the configured ``methods`` reads the sites' level Gram matrices (RegMean),
+    as their declared :meth:`~fedfuse.fusion.FusionMethod.needs` say; sites upload them only
+    then (they are large)."""
+    return any("grams" in method.needs() for method in methods)
+
+
+@dataclass(frozen=True)
+class UploadFacts:
+    """What the server knows of the sites besides their models, one entry per site (None where
+    not every site has it): importance scores, sample and class counts, Gram matrices."""
+
+    scores: Sequence[Scores] | None
+    sample_counts: Sequence[int] | None
+    class_counts: Sequence[Sequence[int]] | None
+    grams: Sequence[dict[int, torch.Tensor]] | None = None
+
+
+def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) -> UploadFacts:
+    """The sites' facts from a run's store (scores and Grams None unless every site sent them;
+    Grams loaded one site at a time), from the uploads in memory, or as given."""
+    if isinstance(uploads, UploadFacts):
+        return uploads
+    if isinstance(uploads, UploadStore):
+        entries = uploads.entries
+        return UploadFacts(
+            scores=uploads.scores(),
+            sample_counts=[e.num_examples for e in entries],
+            class_counts=[e.class_counts for e in entries],
+            grams=uploads.grams(),
+        )
+    return UploadFacts(
+        scores=[u.scores for u in uploads],
+        sample_counts=[u.num_examples for u in uploads],
+        class_counts=[u.class_counts for u in uploads],
+        grams=[u.grams for u in uploads] if all(u.grams for u in uploads) else None,
+    )
+
+
+def fusion_inputs(
+    uploads: UploadStore | Sequence[ClientUpload] | UploadFacts,
+    fusion_set: ImageDataset | None = None,
+    *,
+    sites: Any = None,
+    needs: Iterable[str] | None = None,
+) -> FusionInputs:
+    """The :class:`~fedfuse.fusion.FusionInputs` of a fusion: the fusion set's inputs and labels
+    (None without one), the sites' facts (:func:`upload_facts`) and ``sites``, the channel of
+    statistics rounds (None: none). With ``needs`` (a method's
+    :meth:`~fedfuse.fusion.FusionMethod.needs`), the other fields are left None."""
+    facts = upload_facts(uploads)
+    fields: dict[str, Any] = {
+        "data": fusion_set.inputs() if fusion_set is not None else None,
+        "labels": fusion_set.labels if fusion_set is not None else None,
+        "scores": facts.scores,
+        "sample_counts": facts.sample_counts,
+        "class_counts": facts.class_counts,
+        "grams": facts.grams,
+        "sites": sites,
+    }
+    if needs is not None:
+        wanted = set(needs)
+        fields = {k: v for k, v in fields.items() if k in wanted}
+    return FusionInputs(**fields)

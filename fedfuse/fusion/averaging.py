@@ -23,12 +23,15 @@ from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_meth
 from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
 from fedfuse.fusion.inputs import sample_counts
 from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.training.finetune import WeightedAverage
 
 
 def average_state_dicts(
     models: Sequence[torch.nn.Module], weights: Sequence[float] | None = None
 ) -> dict[str, torch.Tensor]:
-    """``sum_k w_k * theta_k`` over the models' state dicts, with ``w`` normalised to sum to 1."""
+    """``sum_k w_k * theta_k`` over the models' state dicts, with ``w`` normalised to sum to 1
+    first (:class:`~fedfuse.training.finetune.WeightedAverage` with shares, one model at a time:
+    models may be a lazy sequence of a thousand sites)."""
     w = (
         torch.ones(len(models), dtype=torch.float64)
         if weights is None
@@ -37,19 +40,10 @@ def average_state_dicts(
     if w.shape != (len(models),) or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"averaging weights must be {len(models)} non-negative numbers, got {w}")
     w = w / w.sum()
-    # a running sum, one model at a time: models may be a lazy sequence of a thousand sites
-    totals: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, torch.dtype] = {}
+    average = WeightedAverage(fractions=True)
     for weight, model in zip(w.tolist(), models, strict=True):
-        for name, tensor in model.state_dict().items():
-            if name not in totals:
-                totals[name] = torch.zeros(tensor.shape, dtype=torch.float64)
-                dtypes[name] = tensor.dtype
-            totals[name].add_(tensor.detach().cpu().double(), alpha=weight)
-    return {
-        name: (total if dtypes[name].is_floating_point else total.round()).to(dtypes[name])
-        for name, total in totals.items()
-    }
+        average.add(model.state_dict(), weight)
+    return average.result()
 
 
 class _Averaging(FusionMethod):

@@ -455,6 +455,13 @@ def make_fusion_method(name: str, **options: Any) -> FusionMethod:
     return cls(**options)
 
 
+def parse_method_names(names: str) -> list[str]:
+    """The method names of a comma list, ``"kf-linear, otfusion"`` -> ``["kf-linear",
+    "otfusion"]`` (blanks dropped; the names are not looked up). The one place such a list is
+    split: the run config's ``strategy``, ``fedfuse speed --methods``."""
+    return [n.strip() for n in names.split(",") if n.strip()]
+
+
 def make_fusion_methods(
     names: str, options: str = "", *, defaults: dict[str, Any] | None = None
 ) -> list[FusionMethod]:
@@ -464,7 +471,7 @@ def make_fusion_methods(
     does); ``method.key=value`` goes to that method only. ``defaults`` (e.g. the run's
     ``device``) go to every method that accepts them, unless an option sets them.
     """
-    listed = [n.strip() for n in names.split(",") if n.strip()]
+    listed = parse_method_names(names)
     if not listed:
         raise ValueError("no fusion method named")
     shared: dict[str, Any] = {}

@@ -3,15 +3,20 @@
 ``configs/`` (package ``fedfuse.configs``) holds the Hydra groups (dataset, model, partition,
 training, scores, fusion_set, finetune, method, runner) and experiment presets;
 ``compare.yaml`` is the primary config. :func:`settings_from_config` turns a composed config
-into the :class:`~fedfuse.federation.scenario.RunSettings` that the Flower apps read (run-config
+into the :class:`~fedfuse.settings.run.RunSettings` that the Flower apps read (run-config
 keys), and :func:`overrides_from_settings` turns run settings back into Hydra overrides, so either
 side can describe a run and ``compose(overrides_from_settings(s)) -> s`` holds. An unknown key is
 an error on both sides: :meth:`RunSettings.from_config` rejects unknown run-config keys, and
 :func:`settings_from_config` rejects any config key this module does not map.
+
+A config reads a run default instead of repeating it with the resolver
+``${fedfuse.default:<field>}`` (e.g. ``fusion_set.samples: ${fedfuse.default:fusion_samples}``):
+the :class:`RunSettings` default of that field, registered when this module is imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +25,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fedfuse.federation.scenario import RunSettings
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method, parse_options
+from fedfuse.settings.run import RunSettings
 
 CONFIG_MODULE = "fedfuse.configs"
 PRIMARY_CONFIG = "compare"
@@ -40,6 +45,19 @@ FLOWER_ONLY_KEYS = (
 )
 #: method options that do not change the fused model (kept out of row keys and labels)
 NON_RESULT_OPTIONS = frozenset({"device", "progress", "batch_size_capture"})
+#: the resolver a config names a run default with, ``${fedfuse.default:fusion_samples}``
+DEFAULT_RESOLVER = "fedfuse.default"
+
+
+def run_default(name: str) -> Any:
+    """The :class:`RunSettings` default of field ``name`` (the ``fedfuse.default`` resolver)."""
+    fields = {f.name: f for f in dataclasses.fields(RunSettings) if f.name != "extra"}
+    if name not in fields:
+        raise ValueError(f"${{{DEFAULT_RESOLVER}:{name}}}: RunSettings has no field {name!r}")
+    return fields[name].default
+
+
+OmegaConf.register_new_resolver(DEFAULT_RESOLVER, run_default, replace=True)
 
 
 def _widths_to_run(value: Any) -> str:
@@ -235,8 +253,9 @@ def _fusion_options(method: FusionMethod) -> str:
     )
 
 
-def settings_from_config(cfg: DictConfig) -> RunSettings:
-    """The Flower run settings a composed config describes (validated both ways)."""
+def settings_from_config(cfg: DictConfig, method: FusionMethod | None = None) -> RunSettings:
+    """The Flower run settings a composed config describes (validated both ways); ``method`` is
+    the config's method when the caller built it already (:func:`method_from_config`)."""
     validate_config(cfg)
     values: dict[str, Any] = {}
     for key in KEYS:
@@ -249,7 +268,8 @@ def settings_from_config(cfg: DictConfig) -> RunSettings:
             values[key.field.replace("_", "-")] = key.to_run(node)
         except (TypeError, ValueError) as error:
             raise ValueError(f"config key {key.path}={node!r}: {error}") from None
-    method = method_from_config(cfg.method)
+    if method is None:
+        method = method_from_config(cfg.method)
     values["strategy"] = method.name
     values["fusion-options"] = _fusion_options(method)
     values["min-nodes"] = int(cfg.sites)
@@ -262,7 +282,7 @@ def overrides_from_settings(settings: RunSettings, sites: int | None = None) -> 
     Group options are chosen by name where a packaged option exists (``partition=dirichlet``),
     then every mapped key is set, so the composed config gives back ``settings``.
     """
-    methods = [n.strip() for n in settings.strategy.split(",") if n.strip()]
+    methods = settings.method_names()
     if len(methods) != 1:
         raise ValueError(
             f"a Hydra config holds one method, the run config names {methods}; "

@@ -10,8 +10,10 @@ always report the two apart.
   by cosine warm restarts (torch's ``CosineAnnealingWarmRestarts``, stepped per batch) down to
   ``1e-6``, and label smoothing 0.1. The paper fine-tunes for 200 epochs; fedfuse's presets use
   a few.
-* :class:`WeightedAverage`: FedAvg of the sites' fine-tuned models, one model at a time (every
-  entry of the state dict, BatchNorm statistics included, weighted by the sites' sample counts).
+* :class:`WeightedAverage`: the one implementation of weight averaging, one model at a time
+  (every entry of the state dict, BatchNorm statistics included): FedAvg of the sites'
+  fine-tuned models, weighted by their sample counts, and
+  :func:`fedfuse.fusion.averaging.average_state_dicts` (vanilla averaging and FedAvg fusion).
 """
 
 from __future__ import annotations
@@ -214,21 +216,32 @@ def _scores(
 
 
 class WeightedAverage:
-    """A running weighted average of state dicts (FedAvg of the sites' fine-tuned models).
+    """A running weighted average of state dicts, summed in float64 (FedAvg of the sites'
+    fine-tuned models; the weight averaging fusion methods).
 
     Every entry is averaged, BatchNorm running means and variances included; integer entries
     (BatchNorm's ``num_batches_tracked``) are rounded back. Models are added one at a time, so
     the server holds one model and the running sum, however many sites answer.
+
+    Args:
+        fractions: the weights are already each model's share of a whole that sums to 1,
+            normalised by the caller (``average_state_dicts`` of the fusion methods): a share
+            may be 0, and :meth:`result` returns the sum as it is. Otherwise the weights are
+            positive and the sum is divided by their total.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, fractions: bool = False) -> None:
+        self.fractions = fractions
         self._sums: dict[str, torch.Tensor] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self.total = 0.0
         self.count = 0
 
     def add(self, state: Mapping[str, torch.Tensor], weight: float) -> None:
-        if not weight > 0 or not math.isfinite(weight):
+        if self.fractions:
+            if not weight >= 0 or not math.isfinite(weight):
+                raise ValueError(f"averaging shares must be finite and >= 0, got {weight}")
+        elif not weight > 0 or not math.isfinite(weight):
             raise ValueError(f"averaging weights must be positive and finite, got {weight}")
         if self._sums and set(state) != set(self._sums):
             raise ValueError(
@@ -255,7 +268,7 @@ class WeightedAverage:
             raise ValueError("no model was added to the average")
         out = {}
         for name, total in self._sums.items():
-            mean = total / self.total
+            mean = total if self.fractions else total / self.total
             dtype = self._dtypes[name]
             out[name] = (mean if dtype.is_floating_point else mean.round()).to(dtype)
         return out

@@ -4,8 +4,9 @@ Three small MLPs (seeds 10, 11, 12, each trained for a few full-batch steps on i
 site data), a fixed fusion set, fixed scores, sample and class counts and level Grams. Every case
 below fuses the first 2 or 3 models with one registered method and its options (the trainers
 with few epochs) and records the fused model's logits on a fixed probe batch; two more cases
-record :func:`fedfuse.training.loop.train`. ``tests/test_method_regression.py`` recomputes every
-case and compares, so a refactoring that changes any method's numbers fails there.
+record :func:`fedfuse.training.loop.train`. ``tests/unit/test_method_regression.py``
+recomputes every case and compares, so a refactoring that changes any method's numbers fails
+there.
 
 Regenerate only on purpose (the file pins the code it was made from), from the repository root::
 

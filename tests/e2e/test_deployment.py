@@ -26,9 +26,10 @@ import pytest
 from fedfuse.data import load_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.training.loop import evaluate
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONNECTION = "fedfuse-test"
 SITE_SAMPLES = 1000
@@ -36,12 +37,6 @@ RUN_CONFIG = (
     "local-epochs=2 score-samples=64 score-steps=4 test-samples=1000 mlp-widths='64,64' "
     "strategy='kf-linear,fedavg' node-wait-timeout=240.0 reply-timeout=600.0"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _accepts(port: int) -> bool:
@@ -167,7 +162,7 @@ class Deployment:
     def start_superlink(self) -> int:
         """``fedfuse certs``, then ``flower-superlink`` with TLS and SuperNode auth; its port."""
         self.fedfuse("certs", "--out", str(self.root / "certs"), "--host", "127.0.0.1")
-        port = _free_port()
+        port = free_port()
         certs = self.root / "certs"
         link = self.start(
             "superlink",
@@ -206,7 +201,7 @@ class Deployment:
             "--superlink", f"127.0.0.1:{port}",
             "--root-certificates", str(self.root / "certs" / "ca.crt"),
             "--node-config", node_config,
-            "--port", str(_free_port()),
+            "--port", str(free_port()),
         ]  # fmt: skip
         if key is not None:
             argv += ["--auth-supernode-private-key", str(key)]

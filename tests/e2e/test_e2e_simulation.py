@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,9 +16,10 @@ from fedfuse.cli.simulate import _superlink_pids
 from fedfuse.data import load_dataset
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.training.loop import evaluate
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL = "train-samples=1500 local-epochs=1 score-samples=64 score-steps=4 test-samples=2000"
 #: every fusion method, each fusing the same uploads of one simulation (kf-linear is primary)
 STRATEGIES = [
@@ -46,20 +46,14 @@ FAST_OPTIONS = " ".join(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _simulate(
     tmp_path: Path, run_config: str, *, app: Path = REPO, num_clients: int = 2, grace: float = 20
 ) -> tuple[subprocess.CompletedProcess, Path, str]:
-    control_port = str(_free_port())
+    control_port = str(free_port())
     env = {
         **os.environ,
         "FLWR_HOME": str(tmp_path / "flwr-home"),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
         "FLWR_LOCAL_CONTROL_API_PORT": control_port,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
     }

@@ -10,23 +10,22 @@ import math
 import pytest
 import torch
 from flwr.app import Context, Error, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from torch import nn
 
 from fedfuse.clients.client_app import finetune_round
 from fedfuse.clients.records import FINETUNE_MESSAGE, WEIGHTS_KEY
-from fedfuse.clients.site import finetune_site
 from fedfuse.data import load_dataset
 from fedfuse.data.augmentation import augment_dataset, augment_fusion_set, random_crop_flip
-from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.site import finetune_site
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.settings.run import RunSettings
 from fedfuse.strategies.finetune_round import SiteFinetuneRound
 from fedfuse.training.finetune import WeightedAverage, average_models, finetune
 from fedfuse.training.loop import lr_factor, make_optimizer
+from tests.helpers import digits_settings
 
-SETTINGS = RunSettings(
-    dataset="digits", mlp_widths="16", device="cpu", finetune_epochs=2, finetune_lr=3e-3
-)
+SETTINGS = digits_settings(finetune_epochs=2, finetune_lr=3e-3)
 
 
 @pytest.fixture(scope="module")
@@ -207,13 +206,6 @@ def test_weighted_average_covers_batchnorm_buffers():
 
 
 # --------------------------------------------------------------------------- the Flower round
-@pytest.fixture
-def task_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-
-
 class _SitesGrid:
     """A grid whose nodes are sites of a 2-site digits split running fedfuse's ClientApp
     handler in-process; node 13 crashes, node 14 answers with poisoned weights."""

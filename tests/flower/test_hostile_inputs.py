@@ -13,8 +13,7 @@ import json
 import psutil
 import pytest
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import ArrayRecord, MetricRecord
 from safetensors.torch import save_file
 
 from fedfuse.cli.main import main
@@ -26,15 +25,12 @@ from fedfuse.io.validation import ContributionError
 from fedfuse.models import build_model, mlp_spec
 from fedfuse.models.importance import uniform_scores
 from fedfuse.strategies.replies import decode_reply
+from tests.fakes import reply_from
 
 SPEC = mlp_spec((1, 4, 4), 3, (8, 6))
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _upload(partition_id=0, num_partitions=2, seed=0, grams=False):
@@ -54,13 +50,8 @@ def _upload(partition_id=0, num_partitions=2, seed=0, grams=False):
     )
 
 
-def _reply(content, node=7):
-    incoming = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    return Message(content=content, reply_to=incoming)
-
-
 def _decode(content):
-    return decode_reply(_reply(content), SPEC, require_scores=True)
+    return decode_reply(reply_from(content, 7), SPEC, require_scores=True)
 
 
 def _raw_checkpoint(path, tensors, document):
@@ -111,7 +102,8 @@ def test_a_forged_huge_spec_allocates_nothing(tmp_path, width):
     content[SITE_KEY]["model-spec"] = json.dumps(forged)
     before = psutil.Process().memory_info().rss
     with pytest.raises(ContributionError):
-        decode_reply(_reply(content), None, require_scores=True)  # no expected spec to compare
+        # no expected spec to compare
+        decode_reply(reply_from(content, 7), None, require_scores=True)
     assert psutil.Process().memory_info().rss - before < 200 * 2**20
 
 
@@ -249,9 +241,9 @@ def test_strategy_names_a_site_with_another_num_partitions_and_keeps_the_rest(tm
     )
     strategy._sent = [1, 2, 3]
     replies = [
-        _reply(pack_upload(_upload(partition_id=0, num_partitions=3)), 1),
-        _reply(pack_upload(_upload(partition_id=1, num_partitions=3, seed=1)), 2),
-        _reply(pack_upload(_upload(partition_id=2, num_partitions=5, seed=2)), 3),
+        reply_from(pack_upload(_upload(partition_id=0, num_partitions=3)), 1),
+        reply_from(pack_upload(_upload(partition_id=1, num_partitions=3, seed=1)), 2),
+        reply_from(pack_upload(_upload(partition_id=2, num_partitions=5, seed=2)), 3),
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is not None and metrics["num-uploads"] == 2

@@ -9,40 +9,28 @@ import time
 import numpy as np
 import pytest
 import torch
-from fakes import NodesGrid
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
+from flwr.app import ArrayRecord, ConfigRecord
 
 from fedfuse.cli.main import main
 from fedfuse.clients.records import pack_upload
-from fedfuse.clients.site import train_site
 from fedfuse.data.partition_cache import PartitionCache
 from fedfuse.federation.evaluation import evaluate_fusion
-from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.site import train_site
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
 from fedfuse.io.atomic import write_json
 from fedfuse.models import Ensemble, mlp_spec, vgg11_spec
+from fedfuse.settings.run import RunSettings
 from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
 from fedfuse.training.loop import evaluate
+from tests.fakes import NodesGrid, reply_from
+from tests.helpers import quick_site_settings
 
-SETTINGS = RunSettings(
-    dataset="digits",
-    mlp_widths="16",
-    local_epochs=1,
-    score_samples=32,
-    score_steps=4,
-    device="cpu",
-    fusion_samples=40,
-    strategy="kf-linear,fedavg,regmean",
-)
+SETTINGS = quick_site_settings(strategy="kf-linear,fedavg,regmean")
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +44,6 @@ def monkeypatch_module(tmp_path_factory):
     patch.setenv("FEDFUSE_CACHE", str(tmp_path_factory.mktemp("cache")))
     yield patch
     patch.undo()
-
-
-def _reply(content, node):
-    incoming = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    return Message(content=content, reply_to=incoming)
 
 
 # ---------------------------------------------------------------------------- before training
@@ -155,7 +138,7 @@ def test_a_failing_method_is_recorded_and_the_others_still_fuse(uploads, tmp_pat
     strategy = OneShotFusion(methods, store=UploadStore(tmp_path))
     strategy._sent = [10, 11, 12]
     arrays, metrics = strategy.aggregate_train(
-        1, [_reply(pack_upload(u), 10 + u.partition_id) for u in uploads]
+        1, [reply_from(pack_upload(u), 10 + u.partition_id) for u in uploads]
     )
     assert set(strategy.results) == {"fedavg", "regmean"}
     assert strategy.failures["exploding"].error == "RuntimeError: out of memory while fusing"
@@ -167,7 +150,7 @@ def test_a_failing_method_is_recorded_and_the_others_still_fuse(uploads, tmp_pat
     only_failing = OneShotFusion([Exploding()], store=UploadStore(tmp_path / "other"))
     only_failing._sent = [10, 11]
     with pytest.raises(FusionAborted, match="every fusion method failed: exploding"):
-        only_failing.aggregate_train(1, [_reply(pack_upload(u), 10) for u in uploads[:2]])
+        only_failing.aggregate_train(1, [reply_from(pack_upload(u), 10) for u in uploads[:2]])
     # the uploads were written before fusion, so nothing the sites did is lost
     assert len(UploadStore.open(tmp_path / "other")) == 2
 

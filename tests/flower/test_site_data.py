@@ -6,9 +6,10 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedfuse.clients.client_app import site_identity
-from fedfuse.clients.site import train_site
 from fedfuse.data import DataFormatError, load_dataset, load_npz_dataset, save_npz_dataset
-from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.site import train_site
+from tests.helpers import digits_settings
 
 
 def test_round_trip_keeps_images_labels_and_statistics(tmp_path):
@@ -86,14 +87,7 @@ def test_site_identity_from_node_config():
 
 
 def test_a_deployed_site_trains_on_its_own_file(tmp_path):
-    settings = RunSettings(
-        dataset="digits",
-        mlp_widths="16",
-        local_epochs=1,
-        score_samples=16,
-        score_steps=2,
-        device="cpu",
-    )
+    settings = digits_settings(local_epochs=1, score_samples=16, score_steps=2)
     own = Scenario(settings, 2).client_data(1)
     path = save_npz_dataset(tmp_path / "site1.npz", own)
     upload = train_site(settings, 1, 0, data_path=str(path))

@@ -4,29 +4,20 @@ import math
 
 import pytest
 import torch
-from fakes import NodesGrid
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedfuse.clients.records import SCORES_KEY, WEIGHTS_KEY, pack_upload
-from fedfuse.clients.site import train_site
-from fedfuse.federation.scenario import RunSettings
+from fedfuse.federation.site import train_site
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import make_fusion_method
 from fedfuse.io.validation import ContributionError
 from fedfuse.strategies.messaging import stream_replies, wait_for_nodes
 from fedfuse.strategies.one_shot import FusionAborted, OneShotFusion
 from fedfuse.strategies.replies import decode_reply
+from tests.fakes import NodesGrid, reply_from
+from tests.helpers import quick_site_settings
 
-SETTINGS = RunSettings(
-    dataset="digits",
-    mlp_widths="16",
-    local_epochs=1,
-    score_samples=32,
-    score_steps=4,
-    device="cpu",
-    fusion_samples=40,
-)
+SETTINGS = quick_site_settings()
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +25,14 @@ def uploads():
     return [train_site(SETTINGS, pid, 2) for pid in range(2)]
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-
-
-def _reply(content, node):
-    incoming = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
-    return Message(content=content, reply_to=incoming)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def test_valid_reply_round_trips(uploads):
     upload = uploads[1]
-    decoded = decode_reply(_reply(pack_upload(upload), 8), upload.model.spec, require_scores=True)
+    decoded = decode_reply(
+        reply_from(pack_upload(upload), 8), upload.model.spec, require_scores=True
+    )
     assert decoded.partition_id == 1 and decoded.num_partitions == 2
     assert decoded.class_counts == upload.class_counts
     for a, b in zip(decoded.model.parameters(), upload.model.parameters(), strict=True):
@@ -62,19 +46,19 @@ def test_nan_weights_are_named_with_client_and_tensor(uploads):
     state["levels.2.weight"][0, 0] = math.nan
     content[WEIGHTS_KEY] = ArrayRecord(state)
     with pytest.raises(ContributionError, match=r"client 1 \(node 8\): tensor 'levels.2.weight'"):
-        decode_reply(_reply(content, 8), uploads[1].model.spec, require_scores=True)
+        decode_reply(reply_from(content, 8), uploads[1].model.spec, require_scores=True)
 
 
 def test_missing_scores_wrong_architecture_and_client_errors(uploads):
     content = pack_upload(uploads[0])
     del content[SCORES_KEY]
     with pytest.raises(ContributionError, match=r"client 0 \(node 3\): sent no importance scores"):
-        decode_reply(_reply(content, 3), uploads[0].model.spec, require_scores=True)
-    assert decode_reply(_reply(content, 3), None, require_scores=False).scores == {}
+        decode_reply(reply_from(content, 3), uploads[0].model.spec, require_scores=True)
+    assert decode_reply(reply_from(content, 3), None, require_scores=False).scores == {}
 
     other = uploads[0].model.spec.with_widths([32])
     with pytest.raises(ContributionError, match="the server expects"):
-        decode_reply(_reply(pack_upload(uploads[0]), 3), other, require_scores=True)
+        decode_reply(reply_from(pack_upload(uploads[0]), 3), other, require_scores=True)
 
     incoming = Message(content=RecordDict(), dst_node_id=5, message_type=MessageType.TRAIN)
     failed = Message(Error(code=0, reason="CUDA out of memory"), reply_to=incoming)
@@ -96,7 +80,7 @@ def test_one_shot_fusion_fuses_valid_uploads(uploads, tmp_path):
     strategy = _strategy(tmp_path)
     strategy._sent = [3, 8]
     arrays, metrics = strategy.aggregate_train(
-        1, [_reply(pack_upload(uploads[1]), 8), _reply(pack_upload(uploads[0]), 3)]
+        1, [reply_from(pack_upload(uploads[1]), 8), reply_from(pack_upload(uploads[0]), 3)]
     )
     assert [e.partition_id for e in strategy.store.entries] == [0, 1]
     fused = arrays.to_torch_state_dict()
@@ -116,7 +100,7 @@ def test_silent_and_bad_clients_abort_with_every_problem_named(uploads, tmp_path
     state["levels.2.bias"][:] = math.inf
     bad[WEIGHTS_KEY] = ArrayRecord(state)
     with pytest.raises(FusionAborted) as info:
-        strategy.aggregate_train(1, [_reply(pack_upload(uploads[0]), 3), _reply(bad, 8)])
+        strategy.aggregate_train(1, [reply_from(pack_upload(uploads[0]), 3), reply_from(bad, 8)])
     message = str(info.value)
     assert "1 usable upload(s), 2 needed" in message
     assert "node 9: no reply before the reply timeout" in message
@@ -156,7 +140,7 @@ class _WindowGrid:
             msg = self.outstanding.get(mid)
             if msg is not None and msg.metadata.dst_node_id not in self.silent:
                 del self.outstanding[mid]
-                reply = _reply(RecordDict(), msg.metadata.dst_node_id)
+                reply = reply_from(RecordDict(), msg.metadata.dst_node_id)
                 reply.metadata.__dict__["_reply_to_message_id"] = mid
                 replies.append(reply)
         return replies

@@ -2,10 +2,10 @@
 
 import pytest
 
-from fedfuse.federation.scenario import RunSettings
 from fedfuse.federation.site_cache import site_set_key
 from fedfuse.fusion import make_fusion_method
 from fedfuse.models import make_spec
+from fedfuse.settings.run import RunSettings
 from fedfuse.strategies.one_shot import MethodsUnfit, check_methods
 
 

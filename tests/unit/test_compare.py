@@ -13,7 +13,6 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from fedfuse.experiments import compare
-from fedfuse.federation.scenario import RunSettings
 from fedfuse.federation.site_cache import site_set_key
 from fedfuse.fusion import FUSION_METHODS, make_fusion_method
 from fedfuse.settings.hydra import (
@@ -24,6 +23,7 @@ from fedfuse.settings.hydra import (
     overrides_from_settings,
     settings_from_config,
 )
+from fedfuse.settings.run import RunSettings
 
 #: a tiny real setting: sklearn digits (bundled with scikit-learn), a small MLP, short training
 TINY = [
@@ -80,6 +80,11 @@ def test_unknown_run_config_keys_are_errors_too():
         RunSettings.from_config({"epochz": 3})
 
 
+def _plain(value):
+    """YAML has lists where constructors default to tuples."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 @pytest.mark.parametrize("option", available_options("method"))
 def test_every_method_config_is_exactly_its_constructor(option):
     text = (config_dir() / "method" / f"{option}.yaml").read_text()
@@ -90,6 +95,11 @@ def test_every_method_config_is_exactly_its_constructor(option):
         assert keys == set(type(method).accepted_options())
         expected = {k: v for k, v in raw.items() if k not in ("_target_", "device")}
         assert {k: method.options()[k] for k in expected} == expected
+        # the YAML restates the constructor's defaults (struct mode needs the keys): pin them
+        defaults = type(method).option_defaults()
+        assert {k: _plain(v) for k, v in expected.items()} == {
+            k: _plain(defaults[k]) for k in expected
+        }
     assert method.name in FUSION_METHODS
 
 
@@ -166,7 +176,7 @@ def _rows(sweep: Path) -> dict[tuple, dict]:
 
 
 def test_library_sweep_trains_each_site_set_once_and_resumes(tmp_path, monkeypatch):
-    import fedfuse.clients.site as site
+    import fedfuse.federation.site as site
 
     trained: list[tuple[int, int]] = []
     real_train = site._train

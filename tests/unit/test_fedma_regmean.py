@@ -10,21 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
-from fedfuse.fusion.blocks.alignment import permute_level
 from fedfuse.fusion.fedma import FedMAMatching
 from fedfuse.fusion.regmean import RegMean, level_grams
 from fedfuse.models import LeveledModel, build_model, mlp_spec
 from fedfuse.models.affine import affine_view
-
-
-def _permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:
-    """The same function with every hidden neuron level's neurons shuffled."""
-    permuted = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    for level in permuted.neuron_levels[:-1]:
-        order = torch.randperm(permuted.level_width(level), generator=generator)
-        permute_level(permuted, level, order)
-    return permuted
+from tests.helpers import permuted_copy
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,7 +46,7 @@ def test_fedma_of_identical_models_opens_nothing_and_keeps_the_function(tiny_mlp
 
 @torch.no_grad()
 def test_fedma_of_a_permuted_copy_recovers_the_function(tiny_mlp, x):
-    permuted = _permuted_copy(tiny_mlp)
+    permuted = permuted_copy(tiny_mlp)
     assert torch.allclose(permuted(x), tiny_mlp(x), atol=1e-5)
     result = FedMAMatching().fuse([tiny_mlp, permuted])
     assert result.details["widths"] == list(tiny_mlp.spec.widths)
@@ -66,7 +56,7 @@ def test_fedma_of_a_permuted_copy_recovers_the_function(tiny_mlp, x):
 
 @torch.no_grad()
 def test_fedma_matches_conv_levels_of_a_permuted_vgg(tiny_vgg):
-    permuted = _permuted_copy(tiny_vgg, seed=3)
+    permuted = permuted_copy(tiny_vgg, seed=3)
     images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     result = FedMAMatching().fuse([tiny_vgg, permuted])
     assert result.model.spec == tiny_vgg.spec

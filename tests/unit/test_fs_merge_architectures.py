@@ -8,20 +8,14 @@ import pytest
 import torch
 
 from fedfuse.fusion.base import FusionInputs
-from fedfuse.fusion.fs_merge import FSMerge
-from fedfuse.fusion.fs_merge_spaces import head_input
+from fedfuse.fusion.fs_merge import FSMerge, head_input
 from fedfuse.models import build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 
 SPEC = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -30,13 +30,7 @@ def _data(n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These many tiny steps only lose from intra-op threads on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

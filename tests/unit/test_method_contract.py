@@ -22,6 +22,7 @@ from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import build_model, mlp_spec
+from tests.helpers import randn
 
 SPEC = mlp_spec((1, 4, 4), 3, (6, 5))
 NAMES = sorted(FUSION_METHODS)
@@ -35,17 +36,7 @@ FAST = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: threads only cost here, and one thread keeps reductions in one order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _randn(seed: int, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def method(name: str, **extra):
@@ -64,7 +55,7 @@ def models():
 def full(models):
     """Every FusionInputs field, well-formed."""
     generator = torch.Generator().manual_seed(5)
-    data = _randn(1, 24, 1, 4, 4)
+    data = randn(1, 24, 1, 4, 4)
     return FusionInputs(
         data=data,
         labels=torch.randint(0, 3, (24,), generator=generator),
@@ -74,9 +65,9 @@ def full(models):
         ],
         sample_counts=[30, 50],
         class_counts=[[10, 15, 5], [20, 0, 30]],
-        grams=[level_grams(m, _randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
+        grams=[level_grams(m, randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
         sites=LocalSites(
-            models, [_randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
+            models, [randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
         ),
     )
 
@@ -133,7 +124,7 @@ def test_fusion_leaves_the_models_and_inputs_as_they_were(name, models, full):
 @pytest.mark.parametrize("name", NAMES)
 def test_the_fused_model_has_the_requested_spec_and_runs(name, models, full):
     cls = FUSION_METHODS[name]
-    x = _randn(3, 7, 1, 4, 4)
+    x = randn(3, 7, 1, 4, 4)
     for target in (None, SPEC):
         fused = method(name).fuse(models, full, target=target).model
         if cls.chooses_widths:
@@ -227,7 +218,7 @@ def test_malformed_inputs_the_method_needs_are_named(name, models, full):
         scores[1][level] = torch.full_like(scores[1][level], float("nan"))
         cases.append((without(full, scores=scores), r"scores of model 1.*finite"))
     if "data" in needs:
-        cases.append((without(full, data=_randn(4, 24, 1, 5, 5)), r"FusionInputs\.data has"))
+        cases.append((without(full, data=randn(4, 24, 1, 5, 5)), r"FusionInputs\.data has"))
         nan = full.data.clone()
         nan[3, 0, 1, 1] = float("nan")
         cases.append((without(full, data=nan), r"FusionInputs\.data has NaN"))

@@ -19,7 +19,7 @@ import torch
 
 from fedfuse.fusion import FUSION_METHODS
 
-_SCRIPT = Path(__file__).parent / "data" / "make_method_regression.py"
+_SCRIPT = Path(__file__).parents[1] / "data" / "make_method_regression.py"
 _spec = importlib.util.spec_from_file_location("make_method_regression", _SCRIPT)
 assert _spec is not None and _spec.loader is not None
 cases = importlib.util.module_from_spec(_spec)

@@ -7,32 +7,20 @@ from scipy.optimize import linear_sum_assignment
 from fedfuse.fusion.averaging import average_state_dicts
 from fedfuse.fusion.base import FusionInputs, make_fusion_method
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
+from fedfuse.fusion.blocks.matching import squared_distances
 from fedfuse.fusion.blocks.repair import neuron_statistics, repair, target_statistics
+from fedfuse.fusion.blocks.transport import transport_plan
 from fedfuse.fusion.git_rebasin import GitReBasin, correlation, match_neurons
-from fedfuse.fusion.otfusion import OTFusion, squared_distances, transport_plan
+from fedfuse.fusion.otfusion import OTFusion
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 from fedfuse.models.affine import output_rows
+from tests.helpers import permuted_copy
 
 MLP = mlp_spec((1, 6, 6), 4, (12, 10))
 VGG = vgg11_spec((1, 28, 28), 10, width_multiplier=1 / 16)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: threads only contend (the machine may be shared)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def permuted_copy(model, seed=0):
-    """The same function with every hidden level's neurons shuffled."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    for index in other.neuron_levels[:-1]:
-        permute_level(other, index, torch.randperm(other.level_width(index), generator=generator))
-    return other
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def data_for(spec, n=32, seed=0):

@@ -5,7 +5,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_has_only_fedfuse_at_the_top_level(tmp_path):

@@ -3,9 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from fedfuse.federation.scenario import RunSettings, Scenario
+from fedfuse.federation.scenario import Scenario
+from fedfuse.settings.run import RunSettings
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def test_app_run_config_and_settings_defaults_are_identical():

@@ -15,12 +15,9 @@ from fedfuse.fusion.inputs import FusionInputs
 from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
+from tests.helpers import randn
 
 SPEC = mlp_spec((1, 3, 3), 3, (7, 6))
-
-
-def _randn(seed: int, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _request(level: int, fused, dtype: str = "float64") -> StatisticsRequest:
@@ -30,7 +27,7 @@ def _request(level: int, fused, dtype: str = "float64") -> StatisticsRequest:
 @pytest.mark.parametrize("level", [0, 2, 4])
 def test_statistics_of_two_sites_add_up_to_those_of_the_pooled_data(level):
     model, fused = build_model(SPEC, seed=0), build_model(SPEC, seed=1)
-    a, b = _randn(1, 20, 1, 3, 3), _randn(2, 13, 1, 3, 3)
+    a, b = randn(1, 20, 1, 3, 3), randn(2, 13, 1, 3, 3)
     parts = [site_statistics(model, d, _request(level, fused), device="cpu") for d in (a, b)]
     pooled = site_statistics(model, torch.cat([a, b]), _request(level, fused), device="cpu")
     assert pooled.rows == sum(p.rows for p in parts) == 33
@@ -42,7 +39,7 @@ def test_statistics_of_two_sites_add_up_to_those_of_the_pooled_data(level):
 def test_conv_statistics_add_up_over_sites_and_count_positions():
     spec = vgg11_spec((1, 8, 8), 3, width_multiplier=1 / 16)
     model, fused = build_model(spec, seed=0), build_model(spec, seed=1)
-    a, b = _randn(3, 4, 1, 8, 8), _randn(4, 3, 1, 8, 8)
+    a, b = randn(3, 4, 1, 8, 8), randn(4, 3, 1, 8, 8)
     level = fused.neuron_levels[1]
     parts = [site_statistics(model, d, _request(level, fused), device="cpu") for d in (a, b)]
     pooled = site_statistics(model, torch.cat([a, b]), _request(level, fused), device="cpu")
@@ -52,7 +49,7 @@ def test_conv_statistics_add_up_over_sites_and_count_positions():
 
 
 def test_gcv_values_are_the_formula_on_the_design_and_the_fit_is_the_ridge_solution():
-    x, t = _randn(5, 40, 6).double(), _randn(6, 40, 3).double()
+    x, t = randn(5, 40, 6).double(), randn(6, 40, 3).double()
     grid = (0.0, 1e-3, 1e-2, 1e-1, 1.0)
     fit = ridge_fit(x.T @ x, x.T @ t, (t**2).sum(0), len(x), grid=grid)
     scale = float((x.T @ x).trace()) / 6
@@ -69,9 +66,9 @@ def test_gcv_values_are_the_formula_on_the_design_and_the_fit_is_the_ridge_solut
 
 
 def test_the_gcv_choice_is_the_brute_force_leave_one_out_choice():
-    x = _randn(7, 200, 5).double()
-    truth = _randn(8, 5, 2) * torch.tensor([3.0, 0.1, 0.05, 0.0, 0.0])[:, None]
-    t = x @ truth.double() + 2.0 * _randn(9, 200, 2).double()
+    x = randn(7, 200, 5).double()
+    truth = randn(8, 5, 2) * torch.tensor([3.0, 0.1, 0.05, 0.0, 0.0])[:, None]
+    t = x @ truth.double() + 2.0 * randn(9, 200, 2).double()
     grid = (0.0, 0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
     chosen = ridge_fit(x.T @ x, x.T @ t, (t**2).sum(0), len(x), grid=grid).ridge
     scale = float((x.T @ x).trace()) / 5
@@ -92,7 +89,7 @@ def test_the_gcv_choice_is_the_brute_force_leave_one_out_choice():
 def test_sites_that_all_hold_the_same_model_get_it_back(method):
     model = build_model(SPEC, seed=3).eval()
     count = 2 if method is HFSites else 3
-    data = [_randn(10 + k, 60, 1, 3, 3) for k in range(count)]  # full-rank inputs
+    data = [randn(10 + k, 60, 1, 3, 3) for k in range(count)]  # full-rank inputs
     sites = LocalSites([copy.deepcopy(model) for _ in data], data, device="cpu")
     result = method(use_scores=False, statistics_dtype="float64").fuse(
         [copy.deepcopy(model) for _ in data], FusionInputs(sites=sites)
@@ -112,7 +109,7 @@ def test_sites_that_all_hold_the_same_model_get_it_back(method):
 
 def test_the_classifier_is_the_pooled_least_squares_fit_of_each_sites_own_logits():
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
-    data = [_randn(20, 30, 1, 3, 3), _randn(21, 25, 1, 3, 3)]
+    data = [randn(20, 30, 1, 3, 3), randn(21, 25, 1, 3, 3)]
     result = KFSites(use_scores=False, ridge=0.0, statistics_dtype="float64").fuse(
         models, FusionInputs(sites=LocalSites(models, data, device="cpu"))
     )
@@ -129,7 +126,7 @@ def test_the_classifier_is_the_pooled_least_squares_fit_of_each_sites_own_logits
 
 def test_each_round_records_the_bytes_every_site_uploaded():
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1, 2)]
-    data = [_randn(30 + k, 20, 1, 3, 3) for k in range(3)]
+    data = [randn(30 + k, 20, 1, 3, 3) for k in range(3)]
     result = KFSites(use_scores=False).fuse(
         models, FusionInputs(sites=LocalSites(models, data, device="cpu"))
     )
@@ -164,7 +161,7 @@ class _FaultySites(LocalSites):
 )
 def test_a_broken_statistic_is_named(fault, message):
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
-    data = [_randn(40 + k, 20, 1, 3, 3) for k in range(2)]
+    data = [randn(40 + k, 20, 1, 3, 3) for k in range(2)]
     sites = _FaultySites(models, data, device="cpu", fault=fault)
     with pytest.raises(ValueError, match=message):
         KFSites(use_scores=False).fuse(models, FusionInputs(sites=sites))
@@ -172,7 +169,7 @@ def test_a_broken_statistic_is_named(fault, message):
 
 def test_a_silent_site_is_dropped_by_kf_and_named_by_hf():
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1, 2)]
-    data = [_randn(50 + k, 20, 1, 3, 3) for k in range(3)]
+    data = [randn(50 + k, 20, 1, 3, 3) for k in range(3)]
     sites = _FaultySites(models, data, device="cpu", fault="silent")
     result = KFSites(use_scores=False).fuse(models, FusionInputs(sites=sites))
     assert result.details["levels"][0]["dropped_sites"] == [1]
@@ -194,7 +191,7 @@ def test_site_statistics_validate_themselves():
 
 
 def test_a_compressed_gram_keeps_the_top_spectrum_and_the_trace():
-    x = _randn(60, 50, 8).double() * torch.linspace(3, 0.1, 8).double()
+    x = randn(60, 50, 8).double() * torch.linspace(3, 0.1, 8).double()
     gram = x.T @ x
     factor, floor = compress_gram(gram, 3)
     stats = SiteStatistics(0, 50, factor, torch.ones(8, 2), torch.eye(2), torch.ones(8, 2))
@@ -215,7 +212,7 @@ def test_a_compressed_gram_keeps_the_top_spectrum_and_the_trace():
 
 def test_compressed_grams_upload_fewer_bytes():
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
-    data = [_randn(70 + k, 40, 1, 3, 3) for k in range(2)]
+    data = [randn(70 + k, 40, 1, 3, 3) for k in range(2)]
     full, compressed = (
         KFSites(use_scores=False, gram_rank=rank).fuse(
             models, FusionInputs(sites=LocalSites(models, data, device="cpu"))

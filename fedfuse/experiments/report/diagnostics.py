@@ -84,7 +84,8 @@ class SweepModels:
 
     def test_batch(self, row: dict[str, Any], samples: int) -> tuple[Any, Any]:
         """A seeded subset of at most ``samples`` examples of the row's test set."""
-        from fedfuse.federation.scenario import RunSettings, Scenario
+        from fedfuse.federation.scenario import Scenario
+        from fedfuse.settings.run import RunSettings
 
         settings = RunSettings.from_config(row.get("settings") or {}, allow_unknown=True)
         identity = (settings.dataset, settings.data_root, settings.test_data)

@@ -3,40 +3,62 @@ what it does in the rounds that may follow (statistics for site-fitted fusion, f
 fused model on its data).
 
 ``clients/client_app.py`` is only the Flower glue around :func:`train_site`,
-:func:`answer_statistics_request` and :func:`finetune_site`; tests and benchmarks call them
-directly.
+:func:`answer_statistics_request` and :func:`finetune_site`; ``fedfuse compare``'s library
+runner, tests and benchmarks call them directly.
+
+A site may keep its trained model between runs in a cache that the caller passes (any
+:class:`TrainedSiteCache`: the experiments' site-set cache,
+:meth:`fedfuse.federation.site_cache.SiteCache.site`); the site's own path knows nothing of
+where or how it is kept.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
-from fedfuse.federation.scenario import (
-    RunSettings,
-    Scenario,
-    client_seed,
-    finetune_seed,
-    scores_sample,
-)
-from fedfuse.federation.site_cache import CachedSite, SiteCache
-from fedfuse.federation.uploads import ClientUpload
-from fedfuse.fusion import FUSION_METHODS
+from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
-from fedfuse.models.importance import importance_scores
+from fedfuse.models.importance import Scores, importance_scores
 from fedfuse.runtime import limit_threads, seed_everything
+from fedfuse.settings.run import RunSettings, client_seed, finetune_seed
 from fedfuse.training.finetune import finetune
 from fedfuse.training.loop import train
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainedSite:
+    """A site's trained model, the facts it reports about its training, its importance scores
+    by score method, and its Gram matrices once computed (what a :class:`TrainedSiteCache`
+    keeps)."""
+
+    model: LeveledModel
+    facts: dict[str, Any]
+    scores: dict[str, Scores] = field(default_factory=dict)
+    grams: dict[int, torch.Tensor] | None = None
+
+
+class TrainedSiteCache(Protocol):
+    """Where one site's :class:`TrainedSite` is kept between runs (e.g.
+    :meth:`fedfuse.federation.site_cache.SiteCache.site`)."""
+
+    def load(self) -> TrainedSite | None:
+        """The kept site, or None when there is none (or it is unusable)."""
+
+    def save(self, site: TrainedSite) -> None:
+        """Keep ``site`` (replacing what was kept)."""
 
 
 def train_site(
@@ -46,6 +68,8 @@ def train_site(
     initial_state: dict[str, torch.Tensor] | None = None,
     *,
     data_path: str | None = None,
+    send_grams: bool | None = None,
+    cache: TrainedSiteCache | None = None,
 ) -> ClientUpload:
     """Train the site's model and score its neurons on the site's own data.
 
@@ -55,14 +79,20 @@ def train_site(
         num_partitions: sites in the simulated split (0 in a deployment).
         initial_state: the server's initial weights (required when ``settings.init == "shared"``).
         data_path: the site's own ``.npz`` data file (a deployment); else its simulated partition.
+        send_grams: upload the level Gram matrices (the server's train message says whether a
+            method of the run reads them); None: whether one of the run's methods
+            (:meth:`~fedfuse.settings.run.RunSettings.fusion_methods`) reads them.
+        cache: where the trained site is kept between runs (None: it is not kept); a kept
+            model and its scores and Grams are reused instead of computed again.
     """
     limit_threads(settings.threads)
     seed = client_seed(settings, partition_id)
     seed_everything(seed)
     clock = _PhaseClock()
     name = f"client {partition_id}"
-    cache = SiteCache(settings.site_cache) if settings.site_cache and not data_path else None
-    cached = cache.load(settings, partition_id, num_partitions) if cache else None
+    if send_grams is None:
+        send_grams = needs_grams(settings.fusion_methods())
+    cached = cache.load() if cache is not None else None
     data: ImageDataset | None = None
 
     def site_data() -> ImageDataset:
@@ -73,33 +103,33 @@ def train_site(
         return data
 
     if cached is not None:
-        log.info("%s: trained model loaded from %s", name, settings.site_cache)
+        log.info("%s: trained model loaded from %s", name, cache)
         model, facts = cached.model, cached.facts
     else:
         model, facts = _train(settings, site_data(), seed, initial_state, name, clock)
     scores = cached.scores.get(settings.score_method) if cached else None
     if scores is None:
-        inputs, labels = scores_sample(site_data(), settings.score_samples, seed)
-        scores = importance_scores(
+        scores = score_site(
             model,
-            inputs,
-            labels,
+            site_data(),
             method=settings.score_method,
-            n_steps=settings.score_steps,
+            samples=settings.score_samples,
+            steps=settings.score_steps,
+            seed=seed,
             device=settings.device,
         )
         clock.lap("score")
     grams = None  # sent only when a method of the run reads them (they are large)
-    if strategy_needs_grams(settings.strategy):
+    if send_grams:
         grams = cached.grams if cached else None
         if grams is None:
             grams = level_grams(model, site_data().inputs())
             clock.lap("grams")
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
-        entry = CachedSite(model, facts, dict(cached.scores) if cached else {}, kept)
+        entry = TrainedSite(model, facts, dict(cached.scores) if cached else {}, kept)
         entry.scores[settings.score_method] = scores
-        cache.save(settings, partition_id, num_partitions, entry)
+        cache.save(entry)
     return ClientUpload(
         model=model.cpu(),
         scores=scores,
@@ -113,6 +143,30 @@ def train_site(
         grams=grams,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
     )
+
+
+def score_site(
+    model: LeveledModel,
+    data: ImageDataset,
+    *,
+    method: str,
+    samples: int,
+    steps: int,
+    seed: int,
+    device: str,
+) -> Scores:
+    """The importance scores (score method ``method``, ``steps`` integration steps) of
+    ``model``'s neurons on up to ``samples`` of the site's ``data`` (drawn with ``seed``)."""
+    inputs, labels = scores_sample(data, samples, seed)
+    return importance_scores(model, inputs, labels, method=method, n_steps=steps, device=device)
+
+
+def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``n`` samples of ``dataset`` (inputs, labels) for computing importance scores."""
+    index = np.arange(len(dataset))
+    if 0 < n < len(dataset):
+        index = np.sort(np.random.default_rng(seed).choice(len(dataset), n, replace=False))
+    return dataset.inputs(index), dataset.labels[index]
 
 
 def load_site_data(
@@ -233,10 +287,3 @@ class _PhaseClock:
         now = time.perf_counter()
         self.laps[phase] = now - self._last
         self._last = now
-
-
-def strategy_needs_grams(strategy: str) -> bool:
-    """Whether one of the server's fusion methods reads the sites' level Gram matrices (RegMean),
-    as its declared :meth:`~fedfuse.fusion.FusionMethod.needs` say (at its default options)."""
-    names = [name.strip() for name in strategy.split(",")]
-    return any("grams" in FUSION_METHODS[n]().needs() for n in names if n in FUSION_METHODS)

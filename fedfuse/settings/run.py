@@ -1,0 +1,369 @@
+"""A run's settings: one flat object, key for key the Flower run config, and the seeds it derives.
+
+Every entry point (the Flower apps, ``fedfuse simulate``, ``fedfuse compare`` through
+:mod:`fedfuse.settings.hydra`, the benchmarks) turns its configuration into :class:`RunSettings`;
+:meth:`RunSettings.fusion_methods` is the one place a run's fusion methods are built from it, and
+:meth:`RunSettings.method_names` the one place its comma list of methods is read.
+:class:`~fedfuse.federation.scenario.Scenario` (one floor up) turns the settings into data,
+splits and models.
+
+Defaults written once: :data:`DEFAULT_FUSION_SAMPLES` is the fusion set's size. The Hydra
+configs read it (``${fedfuse.default:fusion_samples}``, a resolver of
+:mod:`fedfuse.settings.hydra`); the Flower app's ``pyproject.toml`` cannot import, so
+``tests/test_settings.py`` keeps its ``[tool.flwr.app.config]`` identical to these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedfuse.data import ImageDataset
+from fedfuse.fusion.base import (
+    FusionMethod,
+    make_fusion_methods,
+    parse_method_names,
+    parse_options,
+)
+from fedfuse.models import ModelSpec, build_model, make_spec
+from fedfuse.runtime import check_device
+from fedfuse.training.finetune import FINETUNE_DATA
+from fedfuse.training.loop import TrainConfig
+
+INIT_MODES = ("independent", "shared")
+#: samples in the server's fusion set (run config ``fusion-samples``, Hydra
+#: ``fusion_set.samples``; the paper's 400)
+DEFAULT_FUSION_SAMPLES = 400
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every knob of a one-shot federated fusion run (the Flower run config, key for key).
+
+    Field ``foo_bar`` is run-config key ``foo-bar``; the defaults are the app's defaults in
+    ``pyproject.toml`` (a test keeps the two identical).
+    """
+
+    dataset: str = "fashion-mnist"
+    data_root: str = ""
+    partitioner: str = "sharded"
+    dirichlet_alpha_min: float = 1.0
+    dirichlet_min_max_ratio: float = 0.2
+    sharded_class_groups: str = ""
+    train_samples: int = 0
+    seed: int = 0
+    model: str = "mlp"
+    mlp_widths: str = "512,512,512"
+    vgg_width_multiplier: float = 0.25
+    model_options: str = ""
+    fused_widths: str = ""
+    init: str = "independent"
+    local_epochs: int = 3
+    batch_size: int = 128
+    optimizer: str = "adamw"
+    lr: float = 0.001
+    weight_decay: float = 0.0001
+    label_smoothing: float = 0.1
+    score_method: str = "conductance"
+    score_samples: int = 512
+    score_steps: int = 16
+    #: the run's fusion methods, a comma list (run-config key ``strategy``, the name Flower users
+    #: know; read it through :meth:`method_names` / :meth:`fusion_methods`)
+    strategy: str = "kf-linear,fedavg"
+    fusion_options: str = ""
+    fusion_samples: int = DEFAULT_FUSION_SAMPLES
+    fusion_source: str = "0"
+    fusion_augment_copies: int = 0
+    fusion_augment_flip: bool = True
+    fusion_augment_padding: int = 4
+    test_samples: int = 0
+    fusion_data: str = ""
+    test_data: str = ""
+    min_nodes: int = 2
+    node_wait_timeout: float = 120.0
+    reply_timeout: float = 1800.0
+    max_in_flight: int = 0
+    output_dir: str = "outputs"
+    site_cache: str = ""
+    finetune_epochs: int = 0
+    finetune_data: str = "fusion-set"
+    finetune_lr: float = 0.0003
+    finetune_min_lr: float = 1e-06
+    finetune_label_smoothing: float = 0.1
+    finetune_restart_epochs: int = 0
+    device: str = "auto"
+    threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.init not in INIT_MODES:
+            raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        check_device(self.device)
+        if self.fusion_source != "all" and not self.fusion_source.isdigit():
+            raise ValueError(
+                f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
+            )
+        self.class_groups()
+        if self.fusion_augment_copies < 0 or self.fusion_augment_padding < 0:
+            raise ValueError(
+                "fusion-augment-copies and fusion-augment-padding must be >= 0, got "
+                f"{self.fusion_augment_copies} and {self.fusion_augment_padding}"
+            )
+        if self.finetune_data not in FINETUNE_DATA:
+            raise ValueError(
+                f"finetune-data must be one of {FINETUNE_DATA}, got {self.finetune_data!r}"
+            )
+        if self.finetune_epochs < 0 or self.finetune_restart_epochs < 0:
+            raise ValueError(
+                "finetune-epochs and finetune-restart-epochs must be >= 0, got "
+                f"{self.finetune_epochs} and {self.finetune_restart_epochs}"
+            )
+        if not self.finetune_lr > 0 or not 0 <= self.finetune_min_lr <= self.finetune_lr:
+            raise ValueError(
+                "fine-tuning needs finetune-lr > 0 and 0 <= finetune-min-lr <= finetune-lr, got "
+                f"{self.finetune_lr} and {self.finetune_min_lr}"
+            )
+        if not 0 <= self.finetune_label_smoothing < 1:
+            raise ValueError(
+                f"finetune-label-smoothing must be in [0, 1), got {self.finetune_label_smoothing}"
+            )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, allow_unknown: bool = False) -> RunSettings:
+        """Parse a run config (``key-with-dashes`` names); unknown keys are an error naming them."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        values: dict[str, Any] = {}
+        unknown: dict[str, Any] = {}
+        for key, value in config.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                unknown[key] = value
+                continue
+            default = fields[name].default
+            try:
+                values[name] = (
+                    _as_bool(value) if isinstance(default, bool) else type(default)(value)
+                )
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"run config key {key!r} must be a {type(default).__name__}, got {value!r}"
+                ) from None
+        if unknown and not allow_unknown:
+            known = sorted(k.replace("_", "-") for k in fields)
+            raise ValueError(f"unknown run config key(s) {sorted(unknown)}; known keys: {known}")
+        return cls(**values, extra=unknown)
+
+    def to_config(self) -> dict[str, Any]:
+        """The settings as a run config (``key-with-dashes`` names)."""
+        return {
+            f.name.replace("_", "-"): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "extra"
+        }
+
+    def class_groups(self) -> list[list[int]] | None:
+        """``sharded-class-groups`` ("0,1,3;2,7": a group of classes per site) as lists."""
+        if not self.sharded_class_groups.strip():
+            return None
+        try:
+            groups = [
+                [int(c) for c in group.split(",") if c.strip()]
+                for group in self.sharded_class_groups.split(";")
+            ]
+        except ValueError:
+            raise ValueError(
+                "sharded-class-groups must be class ids, commas within a site's group and "
+                f"semicolons between sites (e.g. '0,1,3;2,7'), got {self.sharded_class_groups!r}"
+            ) from None
+        owner: dict[int, int] = {}
+        for index, group in enumerate(groups):
+            if not group:
+                raise ValueError(f"sharded-class-groups: group {index} is empty")
+            for c in group:
+                if c in owner:
+                    raise ValueError(
+                        f"sharded-class-groups: class {c} is in groups {owner[c]} and {index}"
+                    )
+                owner[c] = index
+        return groups
+
+    def finetune_options(self) -> dict[str, Any]:
+        """The fine-tuning keys (``finetune-*``) of the run, by their short names."""
+        return {
+            "data": self.finetune_data,
+            "epochs": self.finetune_epochs,
+            "lr": self.finetune_lr,
+            "min_lr": self.finetune_min_lr,
+            "label_smoothing": self.finetune_label_smoothing,
+            "restart_epochs": self.finetune_restart_epochs,
+        }
+
+    def finetune_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`fedfuse.training.finetune.finetune` for this run: the
+        fine-tuning keys, and the sites' recipe for the rest (their optimizer, weight decay, batch
+        size and augmentation, as the paper fine-tunes with the base models' optimizer)."""
+        train = self.train_config()
+        return {
+            "epochs": self.finetune_epochs,
+            "lr": self.finetune_lr,
+            "min_lr": self.finetune_min_lr,
+            "label_smoothing": self.finetune_label_smoothing,
+            "restart_epochs": self.finetune_restart_epochs,
+            "optimizer": train.optimizer,
+            "weight_decay": train.weight_decay,
+            "momentum": train.momentum,
+            "batch_size": train.batch_size,
+            "augment": train.augment,
+            "device": self.device,
+        }
+
+    def fusion_augment_options(self) -> dict[str, Any] | None:
+        """The fusion-set augmentation of the run (None when it has none)."""
+        if not self.fusion_augment_copies:
+            return None
+        return {
+            "copies": self.fusion_augment_copies,
+            "flip": self.fusion_augment_flip,
+            "padding": self.fusion_augment_padding,
+        }
+
+    def augment_label(self) -> str:
+        """``+aug(xN)`` (with ``noflip`` / ``pad=P`` where they differ from the defaults) for a
+        result row whose fusion set was augmented; ``""`` otherwise."""
+        if not self.fusion_augment_copies:
+            return ""
+        parts = [f"x{self.fusion_augment_copies}"]
+        default = RunSettings()
+        if self.fusion_augment_flip != default.fusion_augment_flip:
+            parts.append("flip" if self.fusion_augment_flip else "noflip")
+        if self.fusion_augment_padding != default.fusion_augment_padding:
+            parts.append(f"pad={self.fusion_augment_padding}")
+        return f"+aug({','.join(parts)})"
+
+    def finetune_label(self) -> str:
+        """``+ft(<data>,<E>ep)`` (with the fine-tuning keys that differ from the defaults) for a
+        fine-tuned result; ``""`` when the run does not fine-tune."""
+        if not self.finetune_epochs:
+            return ""
+        parts = [self.finetune_data, f"{self.finetune_epochs}ep"]
+        default = RunSettings()
+        for name, short in (
+            ("finetune_lr", "lr"),
+            ("finetune_min_lr", "min_lr"),
+            ("finetune_label_smoothing", "ls"),
+            ("finetune_restart_epochs", "restart"),
+        ):
+            if getattr(self, name) != getattr(default, name):
+                parts.append(f"{short}={getattr(self, name):g}")
+        return f"+ft({','.join(parts)})"
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(
+            epochs=self.local_epochs,
+            batch_size=self.batch_size,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            label_smoothing=self.label_smoothing,
+            augment=self.dataset.startswith("cifar"),
+        )
+
+    def method_names(self) -> list[str]:
+        """The names of the run's fusion methods (run config ``strategy``), in order."""
+        return parse_method_names(self.strategy)
+
+    def fusion_methods(self) -> list[FusionMethod]:
+        """The run's fusion methods, configured with ``fusion-options``; the run's ``device``
+        reaches every method that takes one. The one construction of a run's methods (the
+        server, ``fedfuse simulate``'s check, and the library runner all call it)."""
+        return make_fusion_methods(
+            self.strategy, self.fusion_options, defaults={"device": self.device}
+        )
+
+    def model_spec_for(self, data: ImageDataset) -> ModelSpec:
+        """The configured architecture for ``data``'s input shape and class count."""
+        return make_spec(
+            self.model, data.input_shape, data.num_classes, **self.architecture_options()
+        )
+
+    def architecture_options(self) -> dict[str, Any]:
+        if self.model == "mlp":
+            try:
+                widths = tuple(int(w) for w in self.mlp_widths.split(",") if w.strip())
+            except ValueError:
+                raise ValueError(
+                    f"mlp-widths must be comma-separated integers, got {self.mlp_widths!r}"
+                ) from None
+            return {"widths": widths}
+        if self.model == "vgg11":
+            return {"width_multiplier": self.vgg_width_multiplier}
+        if self.model in ("resnet", "vit"):
+            try:
+                return parse_options(self.model_options)
+            except ValueError as error:
+                raise ValueError(f"model-options {self.model_options!r}: {error}") from None
+        raise ValueError(f"unknown model {self.model!r}; choose mlp, vgg11, resnet or vit")
+
+    def fused_spec(self, spec: ModelSpec) -> ModelSpec | None:
+        """The fused model's spec for sites of ``spec`` (run key ``fused-widths``): None for the
+        sites' own; ``"0.5x"`` scales every hidden width; ``"w,w,..."`` gives them all."""
+        text = self.fused_widths.strip()
+        if not text:
+            return None
+        try:
+            if text.endswith("x"):
+                scale = float(text[:-1])
+                if not 0 < scale <= 64:
+                    raise ValueError("a scale must be in (0, 64]")
+                widths = [max(1, round(w * scale)) for w in spec.widths]
+            else:
+                widths = [int(w) for w in text.split(",")]
+            target = spec.with_widths(widths)
+            build_model(target, device="meta")
+        except (ValueError, TypeError) as error:
+            raise ValueError(
+                f"fused-widths {text!r} does not fit the sites' {spec.arch} "
+                f"(widths {list(spec.widths)}): {error}"
+            ) from None
+        return None if target == spec else target
+
+
+def client_seed(settings: RunSettings, partition_id: int) -> int:
+    """Seed of a client's initialisation and training: its own in ``independent`` mode."""
+    return settings.seed * 1000 + partition_id + 1
+
+
+def initial_seed(settings: RunSettings) -> int:
+    """Seed of the server's initial model (the common start in ``shared`` mode)."""
+    return settings.seed * 1000
+
+
+def finetune_seed(settings: RunSettings, partition_id: int | None = None) -> int:
+    """Seed of fine-tuning after fusion: on the fusion set (``partition_id`` None) or on a site."""
+    base = initial_seed(settings) if partition_id is None else client_seed(settings, partition_id)
+    return 1_000_000_007 + base
+
+
+def _as_bool(value: Any) -> bool:
+    """A run-config boolean: a bool, 0/1, or true/false/yes/no/on/off in any case."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+        return _BOOLEAN_WORDS[value.strip().lower()]
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+_BOOLEAN_WORDS = {
+    "true": True,
+    "false": False,
+    "yes": True,
+    "no": False,
+    "on": True,
+    "off": False,
+    "1": True,
+    "0": False,
+}

@@ -1,0 +1,52 @@
+"""Small pieces that several test files share: settings, data and model helpers.
+
+Fixtures live in the ``conftest.py`` files; stand-ins for Flower's parts in ``fakes.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import torch
+
+from fedfuse.fusion.blocks.alignment import permute_level
+from fedfuse.models import LeveledModel
+from fedfuse.settings.run import RunSettings
+
+#: sklearn digits (bundled with scikit-learn) and an MLP with one level of 16 units, on the CPU
+DIGITS = {"dataset": "digits", "mlp_widths": "16", "device": "cpu"}
+#: a quick site: one epoch, conductance from 32 samples in 4 steps, a 40-sample fusion set
+QUICK_SITE = {"local_epochs": 1, "score_samples": 32, "score_steps": 4, "fusion_samples": 40}
+
+
+def digits_settings(**changes) -> RunSettings:
+    """The small digits run (:data:`DIGITS`), other keys as given or at their defaults."""
+    return RunSettings(**{**DIGITS, **changes})
+
+
+def quick_site_settings(**changes) -> RunSettings:
+    """The small digits run with quick sites (:data:`QUICK_SITE`), ``changes`` on top."""
+    return digits_settings(**{**QUICK_SITE, **changes})
+
+
+def randn(seed: int, *shape: int) -> torch.Tensor:
+    """Standard normal values of ``shape``, seeded on their own generator."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:
+    """The same function with every hidden neuron level's neurons shuffled."""
+    permuted = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    for level in permuted.neuron_levels[:-1]:
+        order = torch.randperm(permuted.level_width(level), generator=generator)
+        permute_level(permuted, level, order)
+    return permuted
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the moment of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
