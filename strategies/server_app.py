@@ -320,7 +320,7 @@ def main(grid: Grid, context: Context) -> None:
     seed_everything(settings.seed)
     out = _run_directory(root, label, grid.run.run_id)
     report.update(
-        strategy=settings.strategy,
+        strategy=settings.methods,
         fusion_options=settings.fusion_options,
         init=settings.init,
         settings=settings.to_config(),

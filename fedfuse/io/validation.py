@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import affine_view
 from fedfuse.models.importance import Scores
 
 #: largest sample count a site may report: far above any real site, small enough to stay exact
@@ -141,7 +142,6 @@ def validate_grams(
     column), finite, symmetric and positive semi-definite (as every ``X^T X`` is); a matrix that
     is not cannot have come from data, and would make RegMean's solve meaningless.
     """
-    from fedfuse.models.affine import affine_view  # the fusion package imports this module
 
     if sorted(grams) != model.neuron_levels:
         raise ContributionError(

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fedfuse.models.affine import affine_view
 from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.resnet import BasicBlock, Stem
+from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,6 @@ def _batchnorm(prefix: str) -> tuple[Axis, ...]:
 
 def _affine_spaces(model: LeveledModel) -> list[FeatureSpace]:
     """MLP and VGG: each hidden affine level is a space; the next neuron level consumes it."""
-    from fedfuse.models.affine import affine_view  # local: fusion imports models
 
     names = {id(m): name for name, m in model.named_modules()}
     levels = model.neuron_levels
@@ -181,7 +183,6 @@ def _affine_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
 
 def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from fedfuse.models.resnet import BasicBlock, Stem
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []
@@ -229,7 +230,6 @@ def _resnet_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
 
 def _vit_spaces(model: LeveledModel) -> list[FeatureSpace]:
-    from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
     spaces: list[FeatureSpace] = []
     stream: list[Axis] = []

@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fedfuse import fusion
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method, parse_options
 from fedfuse.settings.run import RunSettings
 
@@ -202,8 +203,6 @@ def validate_config(cfg: DictConfig) -> None:
 
 def _method_class(target: str) -> type[FusionMethod]:
     """The registered method class that ``_target_`` names (no other import is done)."""
-    from fedfuse import fusion
-
     registered = list(FUSION_METHODS.values())
     exported = {
         f"fedfuse.fusion.{name}": getattr(fusion, name)

@@ -36,14 +36,21 @@ INIT_MODES = ("independent", "shared")
 #: samples in the server's fusion set (run config ``fusion-samples``, Hydra
 #: ``fusion_set.samples``; the paper's 400)
 DEFAULT_FUSION_SAMPLES = 400
+#: a field's metadata key for a run-config key other than its name with dashes
+RUN_CONFIG_KEY = "run_config_key"
+
+
+def run_config_key(settings_field: dataclasses.Field) -> str:
+    """The run-config key of a :class:`RunSettings` field."""
+    return settings_field.metadata.get(RUN_CONFIG_KEY, settings_field.name.replace("_", "-"))
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """Every knob of a one-shot federated fusion run (the Flower run config, key for key).
 
-    Field ``foo_bar`` is run-config key ``foo-bar``; the defaults are the app's defaults in
-    ``pyproject.toml`` (a test keeps the two identical).
+    Field ``foo_bar`` is run-config key ``foo-bar`` (``methods`` is ``strategy``); the defaults
+    are the app's defaults in ``pyproject.toml`` (a test keeps the two identical).
     """
 
     dataset: str = "fashion-mnist"
@@ -69,9 +76,9 @@ class RunSettings:
     score_method: str = "conductance"
     score_samples: int = 512
     score_steps: int = 16
-    #: the run's fusion methods, a comma list (run-config key ``strategy``, the name Flower users
-    #: know; read it through :meth:`method_names` / :meth:`fusion_methods`)
-    strategy: str = "kf-linear,fedavg"
+    #: the run's fusion methods, a comma list; its run-config key is ``strategy``, the name
+    #: Flower users know (read it through :meth:`method_names` / :meth:`fusion_methods`)
+    methods: str = field(default="kf-linear,fedavg", metadata={RUN_CONFIG_KEY: "strategy"})
     fusion_options: str = ""
     fusion_samples: int = DEFAULT_FUSION_SAMPLES
     fusion_source: str = "0"
@@ -133,15 +140,15 @@ class RunSettings:
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, allow_unknown: bool = False) -> RunSettings:
         """Parse a run config (``key-with-dashes`` names); unknown keys are an error naming them."""
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        fields = {run_config_key(f): f for f in dataclasses.fields(cls) if f.name != "extra"}
         values: dict[str, Any] = {}
         unknown: dict[str, Any] = {}
         for key, value in config.items():
-            name = key.replace("-", "_")
-            if name not in fields:
+            if key not in fields:
                 unknown[key] = value
                 continue
-            default = fields[name].default
+            name = fields[key].name
+            default = fields[key].default
             try:
                 values[name] = (
                     _as_bool(value) if isinstance(default, bool) else type(default)(value)
@@ -151,14 +158,14 @@ class RunSettings:
                     f"run config key {key!r} must be a {type(default).__name__}, got {value!r}"
                 ) from None
         if unknown and not allow_unknown:
-            known = sorted(k.replace("_", "-") for k in fields)
+            known = sorted(fields)
             raise ValueError(f"unknown run config key(s) {sorted(unknown)}; known keys: {known}")
         return cls(**values, extra=unknown)
 
     def to_config(self) -> dict[str, Any]:
         """The settings as a run config (``key-with-dashes`` names)."""
         return {
-            f.name.replace("_", "-"): getattr(self, f.name)
+            run_config_key(f): getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.name != "extra"
         }
@@ -272,14 +279,14 @@ class RunSettings:
 
     def method_names(self) -> list[str]:
         """The names of the run's fusion methods (run config ``strategy``), in order."""
-        return parse_method_names(self.strategy)
+        return parse_method_names(self.methods)
 
     def fusion_methods(self) -> list[FusionMethod]:
         """The run's fusion methods, configured with ``fusion-options``; the run's ``device``
         reaches every method that takes one. The one construction of a run's methods (the
         server, ``fedfuse simulate``'s check, and the library runner all call it)."""
         return make_fusion_methods(
-            self.strategy, self.fusion_options, defaults={"device": self.device}
+            self.methods, self.fusion_options, defaults={"device": self.device}
         )
 
     def model_spec_for(self, data: ImageDataset) -> ModelSpec:

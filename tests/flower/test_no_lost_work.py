@@ -27,7 +27,7 @@ from fedfuse.training.loop import evaluate
 from tests.fakes import NodesGrid, reply_from
 from tests.helpers import quick_site_settings
 
-SETTINGS = quick_site_settings(strategy="kf-linear,fedavg,regmean")
+SETTINGS = quick_site_settings(methods="kf-linear,fedavg,regmean")
 
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -75,14 +75,14 @@ def test_the_default_strategy_fuses_any_number_of_sites():
     for sites in (2, 3, 10, 100, 1000):
         check_methods(methods, sites, mlp_spec((1, 28, 28), 10, (512, 512, 512)))
     with pytest.raises(MethodsUnfit, match="1 of the listed fusion methods.*hf-linear"):
-        check_methods(RunSettings(strategy="kf-linear,hf-linear").fusion_methods(), 3, None)
+        check_methods(RunSettings(methods="kf-linear,hf-linear").fusion_methods(), 3, None)
 
 
 def test_the_run_device_reaches_every_method_that_takes_one():
-    methods = RunSettings(strategy="kf-linear,otfusion,fedavg", device="cpu").fusion_methods()
+    methods = RunSettings(methods="kf-linear,otfusion,fedavg", device="cpu").fusion_methods()
     assert methods[0].options()["device"] == "cpu" and methods[1].options()["device"] == "cpu"
     explicit = RunSettings(
-        strategy="kf-linear", device="cpu", fusion_options="kf-linear.device=auto"
+        methods="kf-linear", device="cpu", fusion_options="kf-linear.device=auto"
     )
     assert explicit.fusion_methods()[0].options()["device"] == "auto"
     with pytest.raises(ValueError, match="device 'gpu0' is not a device"):

@@ -45,8 +45,8 @@ def test_default_config_is_the_flower_apps_default():
         if f.name != "extra" and getattr(settings, f.name) != getattr(defaults, f.name)
     }
     # the Flower app runs two methods at once; a Hydra job holds one
-    assert differing == {"strategy"}, differing
-    assert settings.strategy == "kf-linear"
+    assert differing == {"methods"}, differing
+    assert settings.methods == "kf-linear"
 
 
 @pytest.mark.parametrize("experiment", available_options("experiment"))
@@ -142,7 +142,7 @@ def test_site_set_key_covers_training_and_nothing_else():
         assert site_set_key(dataclasses.replace(base, **change), 2) != key, change
     assert site_set_key(base, 3) != key
     for same in (
-        {"strategy": "regmean"},
+        {"methods": "regmean"},
         {"score_method": "deeplift"},
         {"fusion_samples": 100},
         {"test_samples": 10},
