@@ -34,8 +34,8 @@ from fedfuse import __version__
 from fedfuse.data import DatasetNotFoundError, ImageDataset
 from fedfuse.federation.evaluation import (
     evaluate_fusion,
-    format_accuracy_table,
     format_level_summary,
+    format_run_summary,
 )
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
@@ -199,7 +199,7 @@ class OneShotRun:
         log.info(
             "results of one-shot fusion (init=%s):\n%s",
             settings.init,
-            format_accuracy_table(self.report["accuracy"]),
+            format_run_summary(self.report),
         )
         for name, failure in strategy.failures.items():
             log.error("fusion method %s failed: %s", name, failure.error)
@@ -281,7 +281,7 @@ class OneShotRun:
     def _fusions(self, strategy: OneShotFusion) -> dict[str, Any]:
         fusions: dict[str, Any] = {}
         for method in self.methods:
-            entry: dict[str, Any] = {"options": method.options()}
+            entry: dict[str, Any] = {"options": method.options(), "needs": sorted(method.needs())}
             if method.name in strategy.results:
                 result = strategy.results[method.name]
                 entry.update(status="ok", seconds=result.seconds, details=result.details)

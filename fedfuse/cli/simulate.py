@@ -197,7 +197,7 @@ def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, i
 
 def simulate(args: argparse.Namespace) -> int:
     """Run the app as a local simulation and report its result file's status."""
-    from fedfuse.federation.evaluation import format_accuracy_table
+    from fedfuse.federation.evaluation import format_run_summary
 
     if args.num_clients is not None and args.num_clients < 2:
         raise ValueError(f"--num-clients must be at least 2, got {args.num_clients}")
@@ -282,7 +282,7 @@ def simulate(args: argparse.Namespace) -> int:
         )
         + f", run {report['wall_seconds']:.0f} s"
     )
-    print(format_accuracy_table(report["accuracy"]))
+    print(format_run_summary(report))
     finetuned = report.get("finetuned", {})
     if finetuned:
         print("fine-tuned after fusion (not zero-shot):")

@@ -1,10 +1,18 @@
-"""Evaluation of a fusion run and its result files (Flower-free, shared by every entry point)."""
+"""Evaluation of a fusion run and the summary a person reads (Flower-free, every entry point).
+
+:func:`evaluate_fusion` scores the base models, their ensemble and each fused model on the test
+set; :func:`method_cost` says what each method cost the sites (one upload, or how many
+statistics rounds, and the bytes); :func:`format_accuracy_table` prints both, marks the best
+single model, and :func:`summary_warnings` says when a fused model is at chance or below every
+base model, and which methods do better on such splits.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,18 +80,160 @@ def describe_method(name: str) -> str:
     return f"{name} ({method.kind})" if method is not None and method.kind != "fusion" else name
 
 
-def format_accuracy_table(evaluation: dict[str, Any]) -> str:
-    """A plain-text table: one row per base model, the ensemble and each fused model."""
-    rows = [(f"base model {i}", r) for i, r in enumerate(evaluation["base"])]
-    rows.append(("ensemble (not a single model)", evaluation["ensemble"]))
-    rows += [
-        (f"fused: {describe_method(name)}", r) for name, r in evaluation.get("fused", {}).items()
+#: methods that do well where sites hold different classes (docs/results.md): the one-upload
+#: method and the one with statistics rounds that lead the class-sharded settings
+SKEW_ROBUST_METHODS = ("kf-sites", "regmean")
+#: inputs whose sending reveals statistics of a site's data beyond its model (docs/privacy.md)
+DATA_STATISTICS = frozenset({"grams", "sites"})
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What one fusion method cost each site: its one upload, and its statistics rounds.
+
+    ``upload_bytes`` is the mean over sites of the upload parts the method reads (weights, and
+    scores or Grams when it uses them); ``round_bytes`` the largest round's mean over sites.
+    """
+
+    upload_bytes: float
+    rounds: int = 0
+    round_bytes: float = 0.0
+    seconds: float | None = None
+    sends_data_statistics: bool = False
+
+    def describe(self) -> str:
+        """``"1 upload, 2.7 MiB"`` or ``"1 upload, 2.7 MiB + 4 rounds of <= 6.3 MiB"``."""
+        text = f"1 upload, {human_bytes(self.upload_bytes)}"
+        if self.rounds:
+            noun = "round" if self.rounds == 1 else "rounds"
+            text += f" + {self.rounds} {noun} of <= {human_bytes(self.round_bytes)}"
+        return text
+
+
+def method_cost(
+    needs: Iterable[str],
+    clients: Sequence[Mapping[str, Any]],
+    details: Mapping[str, Any] | None = None,
+    seconds: float | None = None,
+) -> MethodCost:
+    """The cost of a method that reads ``needs`` (its :meth:`FusionMethod.needs`) from the
+    sites' uploads (their facts: ``upload_parts`` per site) and ran the statistics rounds that
+    its result ``details`` list (``rounds[i]["upload_bytes"][site]``)."""
+    needs = frozenset(needs)
+    parts = ["weights", *(part for part in ("scores", "grams") if part in needs)]
+    uploads = [sum(int(c.get("upload_parts", {}).get(part, 0)) for part in parts) for c in clients]
+    rounds = list((details or {}).get("rounds", []))
+    round_means = [
+        sum(map(int, r.get("upload_bytes", {}).values())) / max(len(clients), 1) for r in rounds
     ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{'model':<{width}}  accuracy    loss", f"{'-' * width}  --------  ------"]
-    lines += [f"{name:<{width}}  {r['accuracy'] * 100:7.2f}%  {r['loss']:6.3f}" for name, r in rows]
+    return MethodCost(
+        upload_bytes=sum(uploads) / max(len(uploads), 1),
+        rounds=len(rounds),
+        round_bytes=max(round_means, default=0.0),
+        seconds=seconds,
+        sends_data_statistics=bool(needs & DATA_STATISTICS),
+    )
+
+
+def human_bytes(count: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units); None -> ``"–"``."""
+    if count is None:
+        return "–"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover
+
+
+def best_single_model(evaluation: Mapping[str, Any]) -> str | None:
+    """The row label of the most accurate single model (a base or a fused model; the
+    ensemble is not one model), as :func:`format_accuracy_table` labels its rows."""
+    rows = [(f"base model {i}", r["accuracy"]) for i, r in enumerate(evaluation["base"])]
+    rows += [(f"fused: {name}", r["accuracy"]) for name, r in evaluation.get("fused", {}).items()]
+    return max(rows, key=lambda row: row[1])[0] if rows else None
+
+
+def format_accuracy_table(
+    evaluation: Mapping[str, Any],
+    costs: Mapping[str, MethodCost] | None = None,
+    ensemble_cost: MethodCost | None = None,
+) -> str:
+    """A plain-text table: one row per base model, the ensemble and each fused model.
+
+    With ``costs`` (by method name), each fused row also says what every site sent (one upload,
+    or how many statistics rounds, and the bytes) and how long the fusion took; the best single
+    model is marked, and a last line points to docs/privacy.md when a listed method sends
+    statistics of the sites' data.
+    """
+    best = best_single_model(evaluation) if costs is not None else None
+    rows: list[tuple[str, Mapping[str, float], MethodCost | None]] = [
+        (f"base model {i}", r, None) for i, r in enumerate(evaluation["base"])
+    ]
+    rows.append(("ensemble (not a single model)", evaluation["ensemble"], ensemble_cost))
+    for name, r in evaluation.get("fused", {}).items():
+        rows.append((f"fused: {name}", r, (costs or {}).get(name)))
+
+    def label(row_label: str) -> str:
+        name = row_label.removeprefix("fused: ")
+        return f"fused: {describe_method(name)}" if row_label.startswith("fused: ") else row_label
+
+    width = max(len(label(name)) for name, _, _ in rows)
+    header = f"{'model':<{width}}  accuracy    loss"
+    rule = f"{'-' * width}  --------  ------"
+    sends = [cost.describe() if cost else "" for _, _, cost in rows]
+    if costs is not None:
+        sends_width = max(len("each site sends"), *(len(s) for s in sends))
+        header += f"  {'each site sends':<{sends_width}}  fusion"
+        rule += f"  {'-' * sends_width}  -------"
+    lines = [header, rule]
+    for (name, r, cost), sent in zip(rows, sends, strict=True):
+        line = f"{label(name):<{width}}  {r['accuracy'] * 100:7.2f}%  {r['loss']:6.3f}"
+        if costs is not None:
+            seconds = f"{cost.seconds:6.2f}s" if cost and cost.seconds is not None else ""
+            line += f"  {sent:<{sends_width}}  {seconds:>7}"
+            if name == best:
+                line += "  <- best single model"
+        lines.append(line.rstrip())
     lines.append(f"(test set: {evaluation['test_examples']} examples)")
+    revealing = [name for name, cost in (costs or {}).items() if cost.sends_data_statistics]
+    if revealing:
+        lines.append(
+            f"{', '.join(revealing)}: the sites also send statistics of their data (Gram "
+            "matrices); what that reveals: docs/privacy.md"
+        )
     return "\n".join(lines)
+
+
+def summary_warnings(evaluation: Mapping[str, Any], num_classes: int) -> list[str]:
+    """A line for each fused model that is at chance or below every base model, naming the
+    methods that do better on such splits (where this run has them, with their accuracy)."""
+    chance = 1.0 / max(num_classes, 1)
+    fused = dict(evaluation.get("fused", {}))
+    worst_base = min((r["accuracy"] for r in evaluation["base"]), default=0.0)
+    warnings = []
+    for name, r in fused.items():
+        accuracy = r["accuracy"]
+        if accuracy < 1.5 * chance:
+            problem = f"is at chance ({accuracy * 100:.2f}%; chance is {chance * 100:.2f}%)"
+        elif accuracy < worst_base:
+            problem = f"is below every base model ({accuracy * 100:.2f}% < {worst_base * 100:.2f}%)"
+        else:
+            continue
+        better = [
+            f"{other} ({fused[other]['accuracy'] * 100:.2f}% here)" if other in fused else other
+            for other in SKEW_ROBUST_METHODS
+            if other != name and fused.get(other, {"accuracy": 1.0})["accuracy"] > accuracy
+        ]
+        advice = (
+            f"; on splits where sites hold different classes, {' and '.join(better)} do better "
+            "(docs/results.md)"
+            if better
+            else ""
+        )
+        warnings.append(f"warning: fused model {name} {problem}{advice}")
+    return warnings
 
 
 _LEVEL_COLUMNS = (
@@ -152,3 +302,22 @@ def _format_cell(value: Any, fmt: str) -> str:
         return fmt.format(value)
     except (TypeError, ValueError):
         return str(value)
+
+
+def format_run_summary(report: Mapping[str, Any]) -> str:
+    """The accuracy table of a run's ``results.json`` document, with each method's cost to the
+    sites, the best single model marked, and the warnings of :func:`summary_warnings`."""
+    clients = report.get("clients", [])
+    costs = {
+        name: method_cost(
+            fusion.get("needs", ()), clients, fusion.get("details"), fusion.get("seconds")
+        )
+        for name, fusion in report.get("fusions", {}).items()
+        if fusion.get("status") == "ok"
+    }
+    evaluation = report["accuracy"]
+    text = format_accuracy_table(evaluation, costs, method_cost((), clients))
+    counts = report.get("class_counts") or [c.get("class_counts", []) for c in clients]
+    num_classes = len(counts[0]) if counts and counts[0] else 0
+    warnings = summary_warnings(evaluation, num_classes) if num_classes else []
+    return "\n".join([text, *warnings])

@@ -56,14 +56,26 @@ class ClientUpload:
 
     def payload_bytes(self) -> int:
         """Bytes of the tensors the site uploads: weights, scores and Grams when sent."""
-        tensors = [*self.model.state_dict().values(), *self.scores.values()]
-        tensors += list((self.grams or {}).values())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(self.payload_parts().values())
+
+    def payload_parts(self) -> dict[str, int]:
+        """Bytes of each part of the upload (``weights``, ``scores``, ``grams``), so that a
+        method's cost counts only the parts it reads."""
+
+        def size(tensors: Iterable[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "weights": size(self.model.state_dict().values()),
+            "scores": size(self.scores.values()),
+            "grams": size((self.grams or {}).values()),
+        }
 
     def facts(self) -> dict[str, Any]:
         """The site's facts, JSON-ready (what results files and checkpoint metadata record)."""
         return {
             "upload_bytes": self.payload_bytes(),
+            "upload_parts": self.payload_parts(),
             "partition_id": self.partition_id,
             "num_partitions": self.num_partitions,
             "num_examples": self.num_examples,

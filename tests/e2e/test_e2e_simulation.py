@@ -263,3 +263,44 @@ def test_ten_sites_with_the_default_strategy(tmp_path):
     # K-means Fusion of 10 sharded sites well above a single site (each holds 1 class)
     accuracy = report["accuracy"]
     assert accuracy["fused"]["kf-linear"]["accuracy"] > max(b["accuracy"] for b in accuracy["base"])
+
+
+README_TABLE_START = "<!-- readme-table: the output of the main command, checked by a test -->"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The accuracy table's rows (model, accuracy, loss, what each site sends, best marker),
+    without the fusion times, which vary from run to run."""
+    lines = text.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("model ") and "accuracy" in line
+    )
+    rows = []
+    for line in lines[start + 2 :]:
+        if line.startswith("(test set"):
+            break
+        cells = [c for c in line.split("  ") if c.strip()]
+        model, accuracy, loss, *rest = (c.strip() for c in cells)
+        sends = next((c for c in rest if c.startswith("1 upload")), "")
+        best = "best single model" if any("best single model" in c for c in rest) else ""
+        rows.append([model, accuracy, loss, sends, best])
+    return rows
+
+
+def test_the_readme_table_is_what_the_main_command_prints(tmp_path):
+    """The README's example output is a run of its main command (`fedfuse simulate`, all
+    defaults), so a change of a default or a method that moves the numbers fails here: run the
+    command and paste its table into the README."""
+    readme = (REPO / "README.md").read_text()
+    assert "./setup.sh && .venv/bin/fedfuse simulate " in readme  # the command run below
+    shown = readme.split(README_TABLE_START, 1)[1].split("```", 2)[1]
+    completed, _, _ = _simulate(tmp_path, "")
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    printed = _table_rows(completed.stdout)
+    expected = _table_rows(shown)
+    assert [r[0] for r in printed] == [r[0] for r in expected]
+    for got, want in zip(printed, expected, strict=True):
+        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 0.3, (got, want)
+        assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
+        assert got[3:] == want[3:], (got, want)
+    assert shown.strip().splitlines()[-1] in completed.stdout  # the privacy pointer

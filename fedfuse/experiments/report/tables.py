@@ -18,19 +18,8 @@ from fedfuse.experiments.report.rows import (
     Sweep,
     series_name,
 )
+from fedfuse.federation.evaluation import human_bytes
 from fedfuse.io.atomic import atomic_path
-
-
-def human_bytes(count: float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units); None -> ``"–"``."""
-    if count is None:
-        return NO_STD
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"  # pragma: no cover
 
 
 def format_stat(stat: Stat, digits: int = 2, *, failed: int = 0, count: bool = True) -> str:
