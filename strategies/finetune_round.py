@@ -27,7 +27,7 @@ from fedfuse.clients.records import (
     unpack_finetune_reply,
 )
 from fedfuse.models import LeveledModel
-from fedfuse.training.finetune import WeightedAverage, state_bytes
+from fedfuse.training.averaging import WeightedAverage, state_bytes
 
 from .messaging import replies_by_site
 from .replies import short_reason

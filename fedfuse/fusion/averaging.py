@@ -23,14 +23,14 @@ from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_meth
 from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
 from fedfuse.fusion.inputs import sample_counts
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.training.finetune import WeightedAverage
+from fedfuse.training.averaging import WeightedAverage
 
 
 def average_state_dicts(
     models: Sequence[torch.nn.Module], weights: Sequence[float] | None = None
 ) -> dict[str, torch.Tensor]:
     """``sum_k w_k * theta_k`` over the models' state dicts, with ``w`` normalised to sum to 1
-    first (:class:`~fedfuse.training.finetune.WeightedAverage` with shares, one model at a time:
+    first (:class:`~fedfuse.training.averaging.WeightedAverage` with shares, one model at a time:
     models may be a lazy sequence of a thousand sites)."""
     w = (
         torch.ones(len(models), dtype=torch.float64)

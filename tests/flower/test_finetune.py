@@ -21,7 +21,8 @@ from fedfuse.federation.site import finetune_site
 from fedfuse.models import build_model, mlp_spec
 from fedfuse.settings.run import RunSettings
 from fedfuse.strategies.finetune_round import SiteFinetuneRound
-from fedfuse.training.finetune import WeightedAverage, average_models, finetune
+from fedfuse.training.averaging import WeightedAverage, average_models
+from fedfuse.training.finetune import finetune
 from fedfuse.training.loop import lr_factor, make_optimizer
 from tests.helpers import digits_settings
 
