@@ -258,11 +258,14 @@ def test_ten_sites_with_the_default_strategy(tmp_path):
     report = json.loads((out / "latest" / "results.json").read_text())
     assert report["status"] == "ok" and report["rejected"] == []
     assert [c["partition_id"] for c in report["clients"]] == list(range(10))
-    assert set(report["fusions"]) == {"kf-linear", "fedavg"}
+    assert list(report["fusions"]) == ["kf-sites", "regmean", "fedavg"]  # the default list
     assert len(list((out / "latest" / "clients").glob("client_*.safetensors"))) == 10
-    # K-means Fusion of 10 sharded sites well above a single site (each holds 1 class)
+    # K-means Fusion on the sites' statistics, and RegMean, of 10 sharded sites well above a
+    # single site (each holds 1 class)
     accuracy = report["accuracy"]
-    assert accuracy["fused"]["kf-linear"]["accuracy"] > max(b["accuracy"] for b in accuracy["base"])
+    best_site = max(b["accuracy"] for b in accuracy["base"])
+    assert accuracy["fused"]["kf-sites"]["accuracy"] > best_site
+    assert accuracy["fused"]["regmean"]["accuracy"] > best_site
 
 
 README_TABLE_START = "<!-- readme-table: the output of the main command, checked by a test -->"
