@@ -60,7 +60,8 @@ from fedfuse.settings.hydra import (
     settings_from_config,
 )
 from fedfuse.settings.run import RunSettings, finetune_seed
-from fedfuse.training.finetune import average_models, finetune, state_bytes
+from fedfuse.training.averaging import average_models, state_bytes
+from fedfuse.training.finetune import finetune
 
 log = logging.getLogger("fedfuse.experiments.compare")
 

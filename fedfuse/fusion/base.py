@@ -21,9 +21,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from torch import nn
+
 from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
-from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
 from fedfuse.runtime import check_device
 
 log = logging.getLogger(__name__)
@@ -31,9 +33,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FusionResult:
-    """The fused model, the wall time of the fusion and method-specific details."""
+    """The fused model, the wall time of the fusion and method-specific details.
 
-    model: LeveledModel
+    ``model`` is a :class:`LeveledModel`, or an instance of the user's own class with the
+    user's parameter names when plain ``nn.Module``\ s were fused.
+    """
+
+    model: LeveledModel | nn.Module
     seconds: float
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -69,20 +75,30 @@ class FusionMethod(ABC):
 
     def fuse(
         self,
-        models: Sequence[LeveledModel],
+        models: Sequence[LeveledModel | nn.Module],
         inputs: FusionInputs | None = None,
         *,
         target: ModelSpec | None = None,
     ) -> FusionResult:
         """Fuse ``models`` into one model of spec ``target`` (default: the first model's).
 
-        A single model with another ``target`` (narrower, or shallower) is *compression*
-        (paper Sec. 5.5.2), open to retargetable methods.
+        ``models`` are fedfuse's :class:`LeveledModel`\ s or instances of one plain
+        ``nn.Module`` class: those are adapted (:class:`~fedfuse.models.ModelAdapter`, on the
+        input shape of ``inputs.data``) and the fused model comes back as that class. A single
+        model with another ``target`` (narrower, or shallower) is *compression* (paper Sec.
+        5.5.2), open to retargetable methods.
         """
         inputs = inputs or FusionInputs()
-        models = list(
-            models
-        )  # a lazy sequence (fedfuse.federation.uploads) loads each model once here
+        # a lazy sequence (fedfuse.federation.uploads) loads each model once here
+        models = list(models)
+        adapter = plain_model_adapter(models, inputs)
+        if adapter is not None:
+            if self.chooses_widths or (target is not None and target != adapter.spec):
+                raise ValueError(
+                    f"{self.name}: a plain {adapter.model_class.__name__} keeps the widths its "
+                    "class defines, and this method would change them"
+                )
+            models = [adapter.adapt(m) for m in models]
         compressing = len(models) == 1 and target is not None and target != models[0].spec
         if compressing and not self.retargetable:
             raise ValueError(
@@ -100,6 +116,8 @@ class FusionMethod(ABC):
         model, details = self._fuse(list(models), inputs, target)
         seconds = time.perf_counter() - started
         log.info("%s fused %d models in %.2f s", self.name, len(models), seconds)
+        if adapter is not None:
+            model = adapter.export(model)
         return FusionResult(model=model, seconds=seconds, details=details)
 
     @abstractmethod
@@ -497,3 +515,24 @@ def make_fusion_methods(
         applicable.update(specific[name])
         methods.append(make_fusion_method(name, **applicable))
     return methods
+
+
+def plain_model_adapter(
+    models: Sequence[LeveledModel | nn.Module], inputs: FusionInputs
+) -> ModelAdapter | None:
+    """The registered :class:`~fedfuse.models.ModelAdapter` for ``models`` when they are plain
+    ``nn.Module``\ s of one class (None when they are all leveled models already)."""
+    plain = [m for m in models if not isinstance(m, LeveledModel)]
+    if not plain:
+        return None
+    classes = sorted({type(m).__name__ for m in models})
+    if len(plain) != len(models) or len(classes) != 1:
+        raise TypeError(
+            f"models to fuse are of several classes {classes}; fuse models of one class"
+        )
+    if inputs.data is None:
+        raise ValueError(
+            f"fusing plain {classes[0]} models needs their input shape: give FusionInputs.data "
+            "(the fusion set), or adapt them first with fedfuse.models.ModelAdapter"
+        )
+    return ModelAdapter.of(plain[0], tuple(inputs.data.shape[1:])).register()

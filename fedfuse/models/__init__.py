@@ -3,85 +3,30 @@ what is read off a model's levels (affine views, activation capture, importance 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
-import torch
-
+from fedfuse.models.adapter import ModelAdapter
 from fedfuse.models.ensemble import Ensemble
 from fedfuse.models.importance import Scores, importance_scores
 from fedfuse.models.leveled import LeveledModel, corresponding_levels
 from fedfuse.models.mlp import build_mlp, mlp_spec
+from fedfuse.models.registry import (
+    ARCHITECTURES,
+    SPEC_BUILDERS,
+    build_model,
+    make_spec,
+    parameter_shapes,
+    register_architecture,
+)
 from fedfuse.models.resnet import build_resnet, resnet_spec
 from fedfuse.models.spec import ModelSpec
 from fedfuse.models.vgg import build_vgg11, vgg11_spec
 from fedfuse.models.vit import build_vit, vit_spec
 
-ARCHITECTURES: dict[str, Callable[[ModelSpec], LeveledModel]] = {
-    "mlp": build_mlp,
-    "vgg11": build_vgg11,
-    "resnet": build_resnet,
-    "vit": build_vit,
-}
-
-#: each architecture's spec builder from user-facing options
-SPEC_BUILDERS: dict[str, Callable[..., ModelSpec]] = {
-    "mlp": mlp_spec,
-    "vgg11": vgg11_spec,
-    "resnet": resnet_spec,
-    "vit": vit_spec,
-}
-
-
-def build_model(
-    spec: ModelSpec, *, seed: int | None = None, device: str | torch.device | None = None
-) -> LeveledModel:
-    """A freshly initialised model of ``spec``; ``seed`` makes the initialisation repeatable.
-
-    ``device="meta"`` builds the structure without allocating any parameter memory: the way to
-    learn a spec's tensor shapes before trusting it (a hostile spec may claim any width).
-    """
-    try:
-        builder = ARCHITECTURES[spec.arch]
-    except KeyError:
-        raise ValueError(
-            f"unknown architecture {spec.arch!r}; known: {sorted(ARCHITECTURES)}"
-        ) from None
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        if seed is None:
-            return builder(spec)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return builder(spec)
-
-
-def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The state-dict tensor shapes of a ``spec`` model, computed without allocating them."""
-    return {
-        name: tuple(t.shape) for name, t in build_model(spec, device="meta").state_dict().items()
-    }
-
-
-def make_spec(
-    arch: str, input_shape: tuple[int, ...], num_classes: int, **options: object
-) -> ModelSpec:
-    """Spec from user-facing options: ``mlp`` takes ``widths``; ``vgg11`` ``width_multiplier``;
-    ``resnet`` ``depth``, ``width_multiplier``, ``stem``, ``blocks``; ``vit`` ``patch``,
-    ``depth``, ``heads``, ``hidden``, ``mlp``."""
-    try:
-        builder = SPEC_BUILDERS[arch]
-    except KeyError:
-        raise ValueError(f"unknown architecture {arch!r}; known: {sorted(ARCHITECTURES)}") from None
-    try:
-        return builder(input_shape, num_classes, **options)
-    except TypeError as error:
-        raise ValueError(f"{arch}: {error}") from None
-
-
 __all__ = [
     "ARCHITECTURES",
+    "SPEC_BUILDERS",
     "Ensemble",
     "LeveledModel",
+    "ModelAdapter",
     "Scores",
     "ModelSpec",
     "build_model",
@@ -94,6 +39,7 @@ __all__ = [
     "make_spec",
     "mlp_spec",
     "parameter_shapes",
+    "register_architecture",
     "resnet_spec",
     "vgg11_spec",
     "vit_spec",

@@ -62,15 +62,18 @@ class FeatureSpace:
 def feature_spaces(model: LeveledModel) -> list[FeatureSpace]:
     """Every hidden feature space of ``model`` (the classes of the output are never permuted).
 
-    Raises ValueError for an architecture whose symmetries are not described here.
+    A model of another architecture whose neuron levels are all affine (a chain of Linear and
+    Conv2d layers, e.g. an adapted plain ``nn.Module``) is described as the MLP and VGG are.
+    Raises ValueError for any other architecture whose symmetries are not described here.
     """
-    try:
-        describe = _DESCRIBERS[model.spec.arch]
-    except KeyError:
-        raise ValueError(
-            f"the neuron symmetries of {model.spec.arch!r} models are not described; known: "
-            f"{sorted(_DESCRIBERS)}"
-        ) from None
+    describe = _DESCRIBERS.get(model.spec.arch)
+    if describe is None:
+        if not all(affine_view(model.levels[i]) is not None for i in model.neuron_levels):
+            raise ValueError(
+                f"the neuron symmetries of {model.spec.arch!r} models are not described; known: "
+                f"{sorted(_DESCRIBERS)} and chains of Linear and Conv2d layers"
+            )
+        describe = _affine_spaces
     spaces = describe(model)
     _check_disjoint(model, spaces)
     return spaces

@@ -1,0 +1,185 @@
+"""A user's plain nn.Module (Flower's PyTorch template CNN) fused by fedfuse's methods and
+given back as the user's own class, with the graphs it cannot align refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.models import ModelAdapter, build_model, register_architecture
+from fedfuse.models.symmetry import feature_spaces, permute_model, random_permutations
+
+
+class TemplateNet(nn.Module):
+    """The CNN of Flower's PyTorch template, for 28x28x1 inputs: one MaxPool2d used twice,
+    F.relu and x.view inline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 4 * 4, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(-1, 16 * 4 * 4)
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+
+@pytest.fixture(scope="module")
+def adapter() -> ModelAdapter:
+    return ModelAdapter(TemplateNet, (1, 28, 28)).register()
+
+
+def _inputs(n: int = 48, seed: int = 0) -> FusionInputs:
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randn(n, 1, 28, 28, generator=generator)
+    return FusionInputs(data=data, labels=torch.randint(0, 10, (n,), generator=generator))
+
+
+def test_the_levels_compose_to_the_users_forward_and_share_its_parameters(adapter):
+    net = TemplateNet()
+    leveled = adapter.adapt(net)
+    x = torch.randn(5, 1, 28, 28)
+    assert torch.equal(leveled(x), net(x))
+    assert adapter.spec.widths == (6, 16, 120, 84) and adapter.spec.num_classes == 10
+    assert [type(leveled.levels[i]).__name__ for i in (1, 2)] == ["ReLU", "MaxPool2d"]
+    assert leveled.levels[2] is not leveled.levels[5]  # one module per use (Captum)
+    with torch.no_grad():
+        leveled.levels[0].weight.zero_()
+    assert net.conv1.weight.abs().sum() == 0
+
+
+def test_names_map_both_ways_and_the_user_gets_their_class_back(adapter):
+    net = TemplateNet()
+    names = adapter.user_names()
+    assert names["levels.0.weight"] == "conv1.weight"
+    assert names["levels.6.1.bias"] == "fc1.bias"
+    assert sorted(names.values()) == sorted(net.state_dict())
+    back = adapter.export(adapter.adapt(net))
+    assert type(back) is TemplateNet
+    for key, value in net.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value)
+    assert type(build_model(adapter.spec, seed=3)) is not TemplateNet  # a leveled model
+    assert feature_spaces(adapter.adapt(net))  # described like fedfuse's own MLP and VGG
+
+
+@pytest.mark.parametrize("method", ["hf-linear", "kf-linear", "git-rebasin", "otfusion"])
+def test_a_plain_model_fused_with_a_permuted_copy_keeps_its_function(adapter, method):
+    torch.manual_seed(1)
+    net = TemplateNet()
+    leveled = adapter.adapt(net)
+    permuted = adapter.export(
+        permute_model(leveled, random_permutations(leveled, torch.Generator().manual_seed(2)))
+    )
+    assert not torch.allclose(permuted.conv1.weight, net.conv1.weight)
+    # the Linear variants refit each level on the fusion set: exactly, without a ridge
+    options = {"ridge": 0.0} if method.endswith("-linear") else {}
+    inputs = _inputs()
+    fused = make_fusion_method(method, **options).fuse([net.eval(), permuted.eval()], inputs)
+    assert type(fused.model) is TemplateNet
+    torch.testing.assert_close(fused.model(inputs.data), net(inputs.data), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "hf-gradient", "linear-probe"])
+def test_other_methods_return_the_users_class(method):
+    nets = [TemplateNet(), TemplateNet()]
+    options = {"epochs": 1} if method != "vanilla" else {}
+    if method == "hf-gradient":
+        options = {"epochs": 1, "last_epochs": 1}
+    fused = make_fusion_method(method, **options).fuse(nets, _inputs()).model
+    assert type(fused) is TemplateNet
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(x + self.fc1(x))
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class Softmaxed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(x), dim=1)
+
+
+class Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return -self.fc(x)
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).flip(1))
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (Residual, "feeds 2 operations"),
+        (WithBatchNorm, r"node 'norm' \(norm\): BatchNorm1d layers have parameters"),
+        (Softmaxed, "comes after the classifier 'fc'"),
+        (Branching, "torch.fx cannot trace"),
+        (Transposed, "node 'flip'"),
+    ],
+)
+def test_a_graph_fedfuse_cannot_align_is_refused_naming_the_node(cls, message):
+    with pytest.raises(ValueError, match=message):
+        ModelAdapter(cls, (4,))
+
+
+def test_plain_models_are_refused_where_fusion_would_break_them():
+    nets = [TemplateNet(), TemplateNet()]
+    with pytest.raises(ValueError, match="keeps the widths its class defines"):
+        make_fusion_method("fedma").fuse(nets, _inputs())
+    with pytest.raises(ValueError, match="needs their input shape"):
+        make_fusion_method("kf-linear").fuse(nets, FusionInputs())
+    with pytest.raises(TypeError, match="several classes"):
+        make_fusion_method("vanilla").fuse([nets[0], Residual()], _inputs())
+    with pytest.raises(ValueError, match="one of fedfuse's own architectures"):
+        register_architecture("mlp", lambda spec: None)
+
+
+def test_captum_scores_every_neuron_of_an_adapted_model(adapter):
+    from fedfuse.models import importance_scores
+
+    leveled = adapter.adapt(TemplateNet()).eval()
+    inputs = _inputs(16)
+    scores = importance_scores(leveled, inputs.data, inputs.labels, method="deeplift")
+    widths = [*adapter.spec.widths, adapter.spec.num_classes]
+    assert [len(scores[i]) for i in leveled.neuron_levels] == widths
+    assert all(torch.isfinite(s).all() and (s >= 0).all() for s in scores.values())
