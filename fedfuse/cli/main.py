@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from fedfuse.cli import deploy, fuse, simulate
+from fedfuse.cli import deploy, fuse, methods, simulate
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedfuse.experiments import scale, speed
 
     fuse.register_cli(commands)
+    methods.register_cli(commands)
     deploy.register_cli(commands)
     for name, text in HYDRA_COMMANDS.items():  # parsed by Hydra, see main()
         commands.add_parser(name, help=text, add_help=False)

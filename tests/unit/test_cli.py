@@ -58,3 +58,22 @@ def test_usage_errors_are_one_line(capsys):
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and ": error: " in err, err
+
+
+def test_methods_lists_the_registry_with_needs_and_accepted_architectures(capsys):
+    import json
+
+    from fedfuse.fusion import FUSION_METHODS
+
+    assert main(["methods", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(FUSION_METHODS)
+    assert "statistics rounds" in rows["kf-sites"]["sites send"]
+    assert rows["regmean"]["sites send"] == ["Gram matrices"]
+    assert rows["hf-linear"]["models"] == "2 only" and rows["kf-linear"]["models"] == "2 or more"
+    assert rows["kf-linear"]["accepts"]["mlp"] == "yes"
+    assert rows["kf-linear"]["accepts"]["resnet"].startswith("no: ")
+    assert rows["kf-linear"]["accepts"]["plain nn.Module"] == "yes"
+    assert rows["fedma"]["accepts"]["plain nn.Module"].startswith("no: ")
+    assert main(["methods"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("method ")

@@ -1,0 +1,112 @@
+"""``fedfuse methods``: the fusion registry, with what each method needs and what it accepts.
+
+For every registered method (default options): what the sites must send besides their weights,
+what the server must hold, how many models it fuses, and which architectures it accepts. The
+architecture column asks each method's own pre-training check (``check_run``) on a model of
+each of fedfuse's architectures and on an adapted plain ``nn.Module`` chain, built on the meta
+device, so it says exactly what a run would say before any site trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from torch import nn
+
+from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
+from fedfuse.models import ModelAdapter, ModelSpec, make_spec
+
+#: what each FusionInputs field asks of whom
+SITE_INPUTS = {
+    "scores": "importance scores",
+    "sample_counts": "sample counts",
+    "class_counts": "class counts",
+    "grams": "Gram matrices",
+    "sites": "statistics rounds",
+}
+SERVER_INPUTS = {"data": "fusion set", "labels": "fusion-set labels"}
+
+
+class _PlainChain(nn.Module):
+    """A user's plain CNN (as in Flower's PyTorch template), for the architecture column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4 * 13 * 13, 10)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.conv(x).relu()).flatten(1))
+
+
+def architectures() -> dict[str, ModelSpec]:
+    """A spec of each of fedfuse's architectures and of an adapted plain chain."""
+    shape = (1, 28, 28)
+    specs = {arch: make_spec(arch, shape, 10) for arch in ("mlp", "vgg11", "resnet", "vit")}
+    specs["plain nn.Module"] = ModelAdapter(_PlainChain, shape, name="plain-chain").register().spec
+    return specs
+
+
+def describe(method: FusionMethod, specs: dict[str, ModelSpec]) -> dict[str, object]:
+    """What ``method`` needs, how many models it takes and which of ``specs`` it accepts."""
+    needs = method.needs()
+    required = method.requirements()
+
+    def listed(names: dict[str, str]) -> list[str]:
+        return [text + ("" if field in required else " (optional)")
+                for field, text in names.items() if field in needs]  # fmt: skip
+
+    accepts = {}
+    for name, spec in specs.items():
+        try:
+            method.check_run(2, spec)
+            plain = name != "plain nn.Module" or not method.chooses_widths
+            accepts[name] = "yes" if plain else "no: it changes the widths a class defines"
+        except ValueError as error:
+            accepts[name] = f"no: {str(error).split(': ', 1)[-1]}"
+    most = method.max_models
+    return {
+        "name": method.name,
+        "kind": method.kind,
+        "sites send": listed(SITE_INPUTS),
+        "server holds": listed(SERVER_INPUTS),
+        "models": ("2 only" if most == 2 else f"2 to {most}") if most else "2 or more",
+        "accepts": accepts,
+    }
+
+
+def methods_command(args: argparse.Namespace) -> int:
+    """Print the registry as a table (or JSON with ``--json``)."""
+    specs = architectures()
+    rows = [describe(make_fusion_method(name), specs) for name in sorted(FUSION_METHODS)]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    archs = list(specs)
+    header = ["method", "sites send (besides weights)", "server holds", "models", *archs]
+    table = [
+        [
+            row["name"] + ("" if row["kind"] == "fusion" else f" ({row['kind']})"),
+            ", ".join(row["sites send"]) or "-",
+            ", ".join(row["server holds"]) or "-",
+            row["models"],
+            *("yes" if row["accepts"][a] == "yes" else "no" for a in archs),
+        ]
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    for line in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    print("(why a method refuses an architecture: fedfuse methods --json)")
+    return 0
+
+
+def register_cli(commands: argparse._SubParsersAction) -> None:
+    """Add ``fedfuse methods`` to the command line."""
+    parser = commands.add_parser(
+        "methods", help="list the fusion methods: what they need, how many models, which models"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON, with refusal reasons")
+    parser.set_defaults(handler=methods_command)
