@@ -8,31 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.experiments.plain_models import TemplateNet
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.models import ModelAdapter, build_model, register_architecture
 from fedfuse.models.symmetry import feature_spaces, permute_model, random_permutations
-
-
-class TemplateNet(nn.Module):
-    """The CNN of Flower's PyTorch template, for 28x28x1 inputs: one MaxPool2d used twice,
-    F.relu and x.view inline."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 4 * 4, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.view(-1, 16 * 4 * 4)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
 
 
 @pytest.fixture(scope="module")
