@@ -10,6 +10,7 @@ Both sides use these helpers, so the record keys are defined once. Tensors trave
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -30,14 +31,27 @@ SECONDS_PREFIX = "seconds-"
 #: train-message config key: whether the site uploads its level Gram matrices (a method of the
 #: run reads them, :func:`fedfuse.federation.uploads.needs_grams`)
 SEND_GRAMS_KEY = "send-grams"
+#: train-message config key, to a plain ClientApp: the extras it should send (a comma list of
+#: :data:`fedfuse.federation.plain_site.EXTRAS`); reply record of those extras
+EXTRAS_KEY = "fusion-extras"
+#: train-message config key: the score method of the importance scores asked for
+SCORE_METHOD_KEY = "score-method"
 
 
 def pack_train_request(
-    arrays: ArrayRecord, config: ConfigRecord, *, send_grams: bool
+    arrays: ArrayRecord,
+    config: ConfigRecord,
+    *,
+    send_grams: bool,
+    extras: Sequence[str] = (),
+    score_method: str = "",
 ) -> RecordDict:
     """The server's train message: the initial model (empty unless ``init="shared"``) and its
-    ``config`` with ``send-grams`` added."""
+    ``config`` with ``send-grams`` added (and, for a plain ClientApp, the ``extras`` to send)."""
     config[SEND_GRAMS_KEY] = bool(send_grams)
+    if extras:
+        config[EXTRAS_KEY] = ",".join(extras)
+        config[SCORE_METHOD_KEY] = score_method
     return RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
 
 

@@ -1,1 +1,9 @@
-"""Server side: the one-shot fusion ``ServerApp`` and its Flower strategy."""
+"""Server side: the one-shot fusion strategy for any Flower ServerApp, and fedfuse's own ServerApp.
+
+``from fedfuse.strategies import OneShotFusion`` in a ServerApp of any Flower app (see
+``docs/flower-apps.md``); fedfuse's own app is :mod:`fedfuse.strategies.server_app`.
+"""
+
+from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion
+
+__all__ = ["FusionAborted", "MethodsUnfit", "OneShotFusion"]

@@ -14,30 +14,52 @@ every upload in memory and nothing a site computed is lost if a later step fails
 replied, or the reply timeout passed, the accepted uploads are fused by each method of the
 Flower-free library; a method that fails is recorded with its error and the others go on.
 There is no federated evaluation round: the server evaluates the fused models itself.
+
+**Any Flower app.** With ``model_fn`` (the app's own model class) the strategy takes the replies
+of a plain ClientApp, as Flower's templates write it: the trained weights as an ``ArrayRecord``
+under the app's own parameter names and ``num-examples`` in a ``MetricRecord``. The model is
+traced once (:class:`~fedfuse.models.ModelAdapter`); the fusion set is the app's own samples
+(tensors or a ``DataLoader``, in its normalisation); the result's arrays and every
+``results[method].model`` are the app's model again::
+
+    strategy = OneShotFusion("kf-linear,regmean", model_fn=Net, fusion_set=fusion_loader,
+                             client_extras=True)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()))
+
+Methods that read more than weights from the sites (``fedfuse methods``) get it when the
+ClientApp calls :func:`fedfuse.clients.add_fusion_extras` and the strategy is told so
+(``client_extras=True``); otherwise they are refused when the strategy is built, before any
+site trains.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from torch import nn
 
 from fedfuse.clients.records import pack_train_request
 from fedfuse.data import ImageDataset
+from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
-from fedfuse.fusion import FusionMethod, FusionResult
+from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
 from fedfuse.io.validation import ContributionError
-from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec
+from fedfuse.runtime import configure_logging
 
 from .finetune_round import SiteFinetuneRound
 from .messaging import stream_replies, wait_for_nodes
-from .replies import decode_reply, describe_sender
+from .replies import EXTRAS_HINT, decode_plain_reply, decode_reply, describe_sender
 from .statistics_rounds import FlowerSites
 
 log = logging.getLogger(__name__)
@@ -65,9 +87,11 @@ def check_methods(
     spec: ModelSpec | None,
     available: Iterable[str] | None = None,
     target: ModelSpec | None = None,
+    *,
+    hint: str = "",
 ) -> None:
     """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run (into
-    ``target``, the fused model's spec; None: the sites')."""
+    ``target``, the fused model's spec; None: the sites'); ``hint`` ends the message."""
     available = None if available is None else set(available)
     problems = []
     for method in methods:
@@ -78,56 +102,109 @@ def check_methods(
     if problems:
         raise MethodsUnfit(
             f"{len(problems)} of the listed fusion methods cannot fuse this run of {num_sites} "
-            "sites (checked before any site trains): " + "; ".join(problems)
+            "sites (checked before any site trains): " + "; ".join(problems) + hint
         )
+
+
+#: which :class:`FusionInputs` field each extra of a plain ClientApp provides
+_EXTRA_FIELDS = {"scores": "scores", "class-counts": "class_counts", "grams": "grams"}
+
+
+def as_methods(methods: str | FusionMethod | Sequence[str | FusionMethod]) -> list[FusionMethod]:
+    """Fusion methods from a comma list (``"kf-linear,regmean"``), names or instances."""
+    if isinstance(methods, str):
+        return make_fusion_methods(methods)
+    if isinstance(methods, FusionMethod):
+        return [methods]
+    return [m if isinstance(m, FusionMethod) else make_fusion_method(m) for m in methods]
 
 
 class OneShotFusion(Strategy):
     """One round: every site trains and uploads once; the server fuses the uploads.
 
     Args:
-        methods: the fusion methods (any :class:`fedfuse.fusion.FusionMethod`); all fuse the
-            same uploads, and the first one that succeeds gives the round's result arrays.
-        store: where each accepted upload is written as it arrives (its ``expected_spec``, when
-            set, is the architecture every upload must have).
-        fusion_set: given the sites' ``num-partitions`` (0 in a deployment), the server's
-            fusion set (None: the methods need none).
+        methods: the fusion methods: a comma list of registry names (``"kf-linear,regmean"``),
+            names or :class:`fedfuse.fusion.FusionMethod` instances; all fuse the same uploads,
+            and the first one that succeeds gives the round's result arrays.
+        model_fn: the app's own model class (or a function building one): the sites are plain
+            ClientApps that reply with its weights (module docstring). None: the sites run
+            fedfuse's ClientApp.
+        fusion_set: the server's fusion set: samples in the model's normalisation (a tensor, an
+            ``(inputs, labels)`` pair or a ``DataLoader``), an ``ImageDataset``, or a function
+            of the sites' ``num-partitions`` (0 in a deployment) that returns one (fedfuse's
+            app). None: the methods need none.
+        input_shape: one input's shape, for tracing ``model_fn`` when no fusion set says it.
+        client_extras: the plain ClientApp calls :func:`fedfuse.clients.add_fusion_extras`, so
+            the methods' scores, class counts and Gram matrices are asked for and required.
+        store: where each accepted upload is written as it arrives: an :class:`UploadStore`
+            (its ``expected_spec``, when set, is the architecture every upload must have), or a
+            folder in which each run gets a new subfolder (None: a new temporary folder).
         min_nodes: SuperNodes to wait for, and the fewest valid uploads to fuse.
         node_wait_timeout: seconds to wait for ``min_nodes`` SuperNodes.
-        require_scores: reject uploads without importance scores.
+        require_scores: reject uploads without importance scores (None: fedfuse's ClientApp
+            must send them; a plain one only with ``client_extras`` and a method that reads
+            them).
         available_inputs: the :class:`FusionInputs` fields this run provides, for the check
-            before training (None: all).
+            before training (None: all of fedfuse's ClientApp, or what a plain one sends).
         before_training: called with the number of connected sites before the train message
             goes out: the place for any check that would otherwise fail after training (e.g.
             building the fusion set).
         on_upload: called with each stored upload (progress reports, result files).
         max_in_flight: train messages out at once (0: all; see :func:`stream_replies`).
+        target: given the sites' spec, the fused model's (None: the sites').
+        score_method: the importance scores a plain ClientApp computes (``client_extras``).
+
+    Raises:
+        MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
+        ValueError: when ``model_fn``'s model cannot be traced (the node is named).
     """
 
     def __init__(
         self,
-        methods: Sequence[FusionMethod],
+        methods: str | FusionMethod | Sequence[str | FusionMethod],
         *,
-        store: UploadStore,
-        fusion_set: Callable[[int], ImageDataset | None] | None = None,
+        model_fn: Callable[[], nn.Module] | None = None,
+        fusion_set: Any = None,
+        input_shape: Sequence[int] | None = None,
+        client_extras: bool = False,
+        store: UploadStore | str | Path | None = None,
         min_nodes: int = 2,
         node_wait_timeout: float = 120.0,
-        require_scores: bool = True,
+        require_scores: bool | None = None,
         available_inputs: Iterable[str] | None = None,
         before_training: Callable[[int], None] | None = None,
         on_upload: Callable[[StoredUpload], None] | None = None,
         max_in_flight: int = 0,
         target: Callable[[ModelSpec], ModelSpec | None] | None = None,
+        score_method: str = "conductance",
     ) -> None:
-        if not methods:
+        self.methods = as_methods(methods)
+        if not self.methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
-        self.methods = list(methods)
-        self.store = store
-        self.fusion_set = fusion_set
+        self.fusion_set = fusion_set if callable(fusion_set) else None
+        self._fixed_fusion_set = None
+        if fusion_set is not None and not callable(fusion_set):
+            self._fixed_fusion_set = (
+                (fusion_set.inputs(), fusion_set.labels)
+                if isinstance(fusion_set, ImageDataset)
+                else collect_samples(fusion_set, what="the fusion set")
+            )
+        self.adapter: ModelAdapter | None = None
+        self.client_extras = client_extras
+        self.score_method = score_method
+        self._extras: list[str] = []
+        if model_fn is not None:
+            self._plain_app(model_fn, input_shape, available_inputs, min_nodes)
+        elif client_extras:
+            raise ValueError("client_extras is for a plain ClientApp: give model_fn too")
+        else:
+            self.available_inputs = available_inputs
+        self.store = self._store(store)
         self.min_nodes = min_nodes
         self.node_wait_timeout = node_wait_timeout
-        self.require_scores = require_scores
-        self.available_inputs = available_inputs
+        self.require_scores = (
+            require_scores if require_scores is not None else model_fn is None
+        ) or "scores" in self._extras
         self.before_training = before_training
         self.on_upload = on_upload
         self.max_in_flight = max_in_flight
@@ -135,12 +212,66 @@ class OneShotFusion(Strategy):
         self.problems: list[str] = []
         self.results: dict[str, FusionResult] = {}
         self.failures: dict[str, MethodFailure] = {}
+        #: each method's metrics from ``start``'s ``evaluate_fn``
+        self.evaluations: dict[str, MetricRecord] = {}
         self.num_partitions = 0
         self._sent: list[int] = []
         self.timings: dict[str, float] = {}
         self._grid: Grid | None = None
         self._reply_timeout = 3600.0
         self._node_of: dict[int, int] = {}  # partition id -> node id of its accepted upload
+
+    def _plain_app(
+        self,
+        model_fn: Callable[[], nn.Module],
+        input_shape: Sequence[int] | None,
+        available: Iterable[str] | None,
+        min_nodes: int,
+    ) -> None:
+        """Trace the app's model and refuse, now, every method the plain sites cannot serve."""
+        if input_shape is None:
+            if self._fixed_fusion_set is None:
+                raise ValueError(
+                    "OneShotFusion(model_fn=...) needs the model's input shape: give the fusion "
+                    "set (fusion_set=) or input_shape="
+                )
+            input_shape = tuple(self._fixed_fusion_set[0].shape[1:])
+        self.adapter = ModelAdapter(model_fn, tuple(input_shape)).register()
+        needed = set().union(*(method.needs() for method in self.methods))
+        if self.client_extras:
+            self._extras = [name for name, f in _EXTRA_FIELDS.items() if f in needed]
+        if available is None:
+            available = {"sample_counts", *(_EXTRA_FIELDS[name] for name in self._extras)}
+            if self._fixed_fusion_set is not None or self.fusion_set is not None:
+                available |= {"data", "labels"}
+        self.available_inputs = set(available)
+        hint = (
+            f". A plain ClientApp sends its weights and num-examples; for importance scores, "
+            f"class counts and Gram matrices {EXTRAS_HINT} and pass client_extras=True; "
+            "statistics rounds (kf-sites, hf-sites) need fedfuse's own ClientApp"
+        )
+        check_methods(self.methods, min_nodes, self.adapter.spec, self.available_inputs, hint=hint)
+        wider = [m.name for m in self.methods if m.chooses_widths]
+        if wider:
+            raise MethodsUnfit(
+                f"{wider}: choose the fused widths, and a plain "
+                f"{self.adapter.model_class.__name__} keeps the widths its class defines"
+            )
+
+    def _store(self, store: UploadStore | str | Path | None) -> UploadStore:
+        """The run's upload store; a folder gets a new subfolder per run, so none is reused."""
+        expected = self.adapter.spec if self.adapter is not None else None
+        if isinstance(store, UploadStore):
+            if expected is not None and store.expected_spec is None:
+                store.expected_spec = expected
+            return store
+        if store is None:
+            folder = tempfile.mkdtemp(prefix="fedfuse-uploads-")
+        else:
+            Path(store).mkdir(parents=True, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=store)
+        log.info("the sites' uploads are kept in %s", folder)
+        return UploadStore(folder, expected_spec=expected)
 
     def summary(self) -> None:
         log.info(
@@ -169,7 +300,13 @@ class OneShotFusion(Strategy):
         if self.before_training is not None:
             self.before_training(len(self._sent))
         config["server-round"] = server_round
-        content = pack_train_request(arrays, config, send_grams=needs_grams(self.methods))
+        content = pack_train_request(
+            arrays,
+            config,
+            send_grams=needs_grams(self.methods),
+            extras=self._extras,
+            score_method=self.score_method,
+        )
         log.info("sending the one train message to %d sites", len(self._sent))
         return [
             Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
@@ -204,11 +341,21 @@ class OneShotFusion(Strategy):
         num_rounds: int = 1,
         timeout: float = 3600,
         train_config: ConfigRecord | None = None,
-        **_: object,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """The one round, taking replies as they arrive instead of all at once at the end."""
+        """The one round, taking replies as they arrive instead of all at once at the end.
+
+        ``evaluate_fn(1, arrays)``, as Flower's strategies call it, evaluates every fused model
+        on the server: the first method's metrics are the result's
+        ``evaluate_metrics_serverapp[1]``, each method's are in :attr:`evaluations`.
+        ``evaluate_config`` is unused (there is no federated evaluation round).
+        """
         if num_rounds != 1:
-            raise ValueError(f"one-shot fusion has exactly one round, not {num_rounds}")
+            raise ValueError(
+                f"one-shot fusion has exactly one round, not {num_rounds} (leave num_rounds out)"
+            )
+        configure_logging()  # progress shows in a user's ServerApp as Flower's own logs do
         self.summary()
         self._reply_timeout = timeout
         messages = list(
@@ -228,7 +375,33 @@ class OneShotFusion(Strategy):
         result.arrays = arrays if arrays is not None else ArrayRecord()
         if metrics is not None:
             result.train_metrics_clientapp[1] = metrics
+        if evaluate_fn is not None:
+            for name, fused in self.results.items():
+                evaluated = evaluate_fn(1, ArrayRecord(fused.model.state_dict()))
+                if evaluated is not None:
+                    self.evaluations[name] = evaluated
+                    log.info("%s on the server's evaluation: %s", name, dict(evaluated))
+            primary = next(iter(self.results))
+            if primary in self.evaluations:
+                result.evaluate_metrics_serverapp[1] = self.evaluations[primary]
+        log.info("one-shot fusion of %d sites:\n%s", len(self.store), self.format_results())
         return result
+
+    def format_results(self) -> str:
+        """One line per method: its fusion time and server-side metrics, or its error."""
+        lines = []
+        for method in self.methods:
+            name = method.name
+            if name in self.results:
+                metrics = ", ".join(
+                    f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}"
+                    for key, value in self.evaluations.get(name, {}).items()
+                )
+                seconds = self.results[name].seconds
+                lines.append(f"  {name:<16} fused in {seconds:7.2f} s  {metrics}".rstrip())
+            elif name in self.failures:
+                lines.append(f"  {name:<16} FAILED: {self.failures[name].error}")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ steps
     def accept(self, msg: Message) -> StoredUpload | None:
@@ -236,7 +409,7 @@ class OneShotFusion(Strategy):
         source = describe_sender(msg)
         started = time.monotonic()
         try:
-            upload = decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
+            upload = self._decode(msg)
             entry = self.store.add(upload, source=source)
         except ContributionError as error:
             self.problems.append(str(error))
@@ -256,6 +429,21 @@ class OneShotFusion(Strategy):
         if self.on_upload is not None:
             self.on_upload(entry)
         return entry
+
+    def _decode(self, msg: Message) -> Any:
+        """The upload of one reply: fedfuse's ClientApp's, or a plain one's (by its node)."""
+        if self.adapter is None:
+            return decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
+        node = msg.metadata.src_node_id
+        if node not in self._sent:
+            raise ContributionError(f"node {node}: replied without being asked to train")
+        return decode_plain_reply(
+            msg,
+            self.adapter,
+            partition_id=self._sent.index(node),
+            num_partitions=len(self._sent),
+            wanted=self._extras,
+        )
 
     def note_silent(self, nodes: Iterable[int]) -> None:
         """Name the sites that did not reply before the timeout."""
@@ -323,7 +511,9 @@ class OneShotFusion(Strategy):
                 + "; ".join(self.problems)
             )
         started = time.monotonic()
-        fusion_set = self.fusion_set(self.num_partitions) if self.fusion_set else None
+        fusion_set = (
+            self.fusion_set(self.num_partitions) if self.fusion_set else self._fixed_fusion_set
+        )
         entries = self.store.entries
         models = self.store.models()
         sites = (
@@ -351,6 +541,9 @@ class OneShotFusion(Strategy):
             )
         if inputs.sites is not None:
             self.problems.extend(inputs.sites.problems)
+        if self.adapter is not None:  # the app gets its own model back, under its own names
+            for result in self.results.values():
+                result.model = self.adapter.export(result.model)
         primary = next(iter(self.results.values()))
         metrics = MetricRecord(
             {

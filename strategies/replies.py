@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection
 from typing import Any
 
 from flwr.app import ConfigRecord, Message
 
 from fedfuse.clients.records import (
+    EXTRAS_KEY,
     GRAMS_KEY,
     METRICS_KEY,
+    SCORE_METHOD_KEY,
     SCORES_KEY,
     SECONDS_PREFIX,
     SITE_KEY,
@@ -27,13 +30,14 @@ from fedfuse.federation.uploads import ClientUpload
 from fedfuse.io.checkpoint import scores_from_tensors
 from fedfuse.io.validation import (
     ContributionError,
+    as_count,
     model_from_state,
     validate_grams,
     validate_partition,
     validate_scores,
     validate_site_facts,
 )
-from fedfuse.models import ModelSpec
+from fedfuse.models import ModelAdapter, ModelSpec
 
 
 def describe_sender(msg: Message) -> str:
@@ -67,49 +71,159 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
             f"{source}: sent architecture {spec.to_dict()}, the server expects {expected.to_dict()}"
         )
     model = model_from_state(spec, _tensors(content, WEIGHTS_KEY, source), source=source)
-    if SCORES_KEY in content.array_records and len(content.array_records[SCORES_KEY]):
-        scores = scores_from_tensors(_tensors(content, SCORES_KEY, source), source=source)
-        validate_scores(model, scores, source=source)
-    elif require_scores:
+    scores = _scores(content, model, source)
+    if scores is None and require_scores:
         raise ContributionError(f"{source}: sent no importance scores, and the strategy needs them")
-    else:
-        scores = {}
     num_examples, counts = validate_site_facts(
         metrics.get("num-examples"), site.get("class-counts"), spec.num_classes, source=source
     )
     partition_id, num_partitions = validate_partition(
         site.get("partition-id"), site.get("num-partitions"), source=source
     )
-    grams = None
-    if GRAMS_KEY in content.array_records:
-        raw = _tensors(content, GRAMS_KEY, source)
-        try:
-            levels = {int(key): value for key, value in raw.items()}
-        except ValueError:
-            raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
-        grams = validate_grams(model, levels, source=source)
     train_loss = metrics.get("train-loss", float("nan"))
-    seconds = {
-        key.removeprefix(SECONDS_PREFIX)[:32]: float(value)
-        for key, value in list(metrics.items())[:64]
-        if key.startswith(SECONDS_PREFIX)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and value >= 0
-    }
     return ClientUpload(
         model=model,
-        scores=scores,
+        scores=scores or {},
         num_examples=num_examples,
         class_counts=counts,
         partition_id=partition_id,
         num_partitions=num_partitions,
         score_method=str(site.get("score-method", ""))[:64],
         init=str(site.get("init", ""))[:64],
-        grams=grams,
+        grams=_grams(content, model, source),
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
-        seconds=seconds,
+        seconds=_seconds(metrics),
     )
+
+
+#: the line a plain ClientApp adds to send the extras (error messages point to it)
+EXTRAS_HINT = (
+    "add `fedfuse.clients.add_fusion_extras(content, msg, model, trainloader)` to the "
+    "ClientApp before it replies"
+)
+
+
+def decode_plain_reply(
+    msg: Message,
+    adapter: ModelAdapter,
+    *,
+    partition_id: int,
+    num_partitions: int,
+    wanted: Collection[str] = (),
+) -> ClientUpload:
+    """Validate the reply of a plain Flower ClientApp (an ``ArrayRecord`` of the user's model's
+    weights and ``num-examples`` in a ``MetricRecord``, as Flower's templates send) and rebuild
+    its model through ``adapter``; the ``wanted`` extras (:mod:`fedfuse.clients.extras`) must
+    be there. Raises :class:`ContributionError` naming the node."""
+    source = describe_sender(msg)
+    if msg.has_error():
+        raise ContributionError(f"{source}: the client failed: {short_reason(msg.error.reason)}")
+    content = msg.content
+    weights_key = _weights_key(content, source)
+    state = _tensors(content, weights_key, source)
+    to_fedfuse = {user: ours for ours, user in adapter.user_names().items()}
+    missing = sorted(set(to_fedfuse) - set(state))
+    unexpected = sorted(set(state) - set(to_fedfuse))
+    if missing or unexpected:
+        raise ContributionError(
+            f"{source}: its {weights_key!r} weights are not a {adapter.model_class.__name__}'s "
+            f"(missing {missing[:8] or 'none'}, unexpected {unexpected[:8] or 'none'})"
+        )
+    model = model_from_state(
+        adapter.spec, {to_fedfuse[name]: value for name, value in state.items()}, source=source
+    )
+    metrics = _metric(content, "num-examples", source)
+    extras = content.config_records.get(EXTRAS_KEY) or ConfigRecord()
+    scores = _scores(content, model, source)
+    grams = _grams(content, model, source)
+    for name, present in (
+        ("scores", scores is not None),
+        ("class-counts", "class-counts" in extras),
+        ("grams", grams is not None),
+    ):
+        if name in wanted and not present:
+            raise ContributionError(
+                f"{source}: sent no {name}, which the server asked for: {EXTRAS_HINT}"
+            )
+    if "class-counts" in extras:
+        num_examples, counts = validate_site_facts(
+            metrics["num-examples"], extras["class-counts"], adapter.spec.num_classes, source=source
+        )
+    else:
+        num_examples, counts = as_count(metrics["num-examples"], "num-examples", source), None
+        if num_examples < 1:
+            raise ContributionError(f"{source}: num-examples must be >= 1, got {num_examples}")
+    loss = next((metrics[k] for k in ("train-loss", "train_loss", "loss") if k in metrics), None)
+    return ClientUpload(
+        model=model,
+        scores=scores or {},
+        num_examples=num_examples,
+        class_counts=counts,
+        partition_id=partition_id,
+        num_partitions=num_partitions,
+        score_method=str(extras.get(SCORE_METHOD_KEY, ""))[:64],
+        init="",
+        grams=grams,
+        train_loss=float(loss) if isinstance(loss, int | float) else float("nan"),
+        seconds=_seconds(extras),
+    )
+
+
+def _weights_key(content: Any, source: str) -> str:
+    """The record of the model's weights: ``arrays``, else the reply's only other ArrayRecord."""
+    if WEIGHTS_KEY in content.array_records:
+        return WEIGHTS_KEY
+    others = [key for key in content.array_records if key not in (SCORES_KEY, GRAMS_KEY)]
+    if len(others) != 1:
+        raise ContributionError(
+            f"{source}: reply has ArrayRecords {sorted(content.array_records)}; expected the "
+            f"model's weights as {WEIGHTS_KEY!r} (or as its only ArrayRecord)"
+        )
+    return others[0]
+
+
+def _metric(content: Any, key: str, source: str) -> Any:
+    """The first MetricRecord of the reply that holds ``key``."""
+    for record in content.metric_records.values():
+        if key in record:
+            return record
+    raise ContributionError(
+        f"{source}: reply has no {key!r} metric (a MetricRecord such as "
+        f"MetricRecord({{{key!r}: len(trainloader.dataset)}}))"
+    )
+
+
+def _scores(content: Any, model: Any, source: str) -> Any:
+    """The reply's importance scores, validated against ``model`` (None when it sent none)."""
+    if SCORES_KEY not in content.array_records or not len(content.array_records[SCORES_KEY]):
+        return None
+    scores = scores_from_tensors(_tensors(content, SCORES_KEY, source), source=source)
+    validate_scores(model, scores, source=source)
+    return scores
+
+
+def _grams(content: Any, model: Any, source: str) -> dict[int, Any] | None:
+    """The reply's level Gram matrices, validated against ``model`` (None when it sent none)."""
+    if GRAMS_KEY not in content.array_records:
+        return None
+    raw = _tensors(content, GRAMS_KEY, source)
+    try:
+        levels = {int(key): value for key, value in raw.items()}
+    except ValueError:
+        raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
+    return validate_grams(model, levels, source=source)
+
+
+def _seconds(record: Any) -> dict[str, float]:
+    """The ``seconds-<phase>`` entries of a record: a site's phase timings, sanitised."""
+    return {
+        key.removeprefix(SECONDS_PREFIX)[:32]: float(value)
+        for key, value in list(record.items())[:64]
+        if key.startswith(SECONDS_PREFIX)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value >= 0
+    }
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -6,7 +6,10 @@ Fixtures live in the ``conftest.py`` files; stand-ins for Flower's parts in ``fa
 from __future__ import annotations
 
 import copy
+import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 
@@ -50,3 +53,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def flower_test_env(tmp_path) -> tuple[dict[str, str], str]:
+    """The environment of a `flwr run` in a test: its own FLWR_HOME and free ports for the
+    local SuperLink, this interpreter's scripts first on PATH; and the Control API port (to
+    find and stop that SuperLink)."""
+    control_port = str(free_port())
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": control_port,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    return env, control_port

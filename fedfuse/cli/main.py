@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from fedfuse.cli import deploy, fuse, methods, simulate
+from fedfuse.cli import deploy, fuse, methods, run_app, simulate
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     simulate.register_cli(commands)
+    run_app.register_cli(commands)
 
     part = commands.add_parser("partition", help="show a split's clients x classes table")
     part.add_argument("--dataset", default="fashion-mnist")

@@ -7,12 +7,10 @@ stops the local SuperLink it started, and exits non-zero when the run or a metho
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,15 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fedfuse.federation.simulation import flower_environment, stop_process_tree, superlink_pids
+
 log = logging.getLogger(__name__)
-
-
-#: Environment for Flower in a closed network: no per-run dependency install, no telemetry.
-FLOWER_ENV = {
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-}
 
 
 def _find_app(app: str | None) -> Path:
@@ -43,41 +35,6 @@ def _find_app(app: str | None) -> Path:
         f"fedfuse simulate: no Flower app (pyproject.toml with [tool.flwr.app]) in "
         f"{', '.join(str(c) for c in candidates)}; run it from a fedfuse checkout or pass --app"
     )
-
-
-def _superlink_pids(control_port: str) -> list[int]:
-    """PIDs of local ``flower-superlink`` processes serving ``control_port``."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        joined = b" ".join(argv)
-        if b"flower-superlink" in joined and f"127.0.0.1:{control_port}".encode() in joined:
-            pids.append(int(proc.name))
-    return pids
-
-
-def _stop_processes(pids: list[int]) -> None:
-    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
-    its Ray workers as descendants); kill what is left after 10 s."""
-    import psutil
-
-    processes = []
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            processes += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
 
 
 def _run_finished(results: Path, started: datetime) -> bool:
@@ -206,15 +163,9 @@ def simulate(args: argparse.Namespace) -> int:
     if args.gpus_per_client < 0 or args.cpus_per_client < 1:
         raise ValueError("--cpus-per-client must be >= 1 and --gpus-per-client >= 0")
     app = _find_app(args.app)
-    # Flower starts `flower-superlink` by name: put this environment's scripts first on PATH.
-    scripts = str(Path(sys.executable).parent)
-    path = os.pathsep.join([scripts, os.environ.get("PATH", "")])
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in FLOWER_ENV.items()}, "PATH": path}
-    flwr = shutil.which("flwr", path=path)
-    if flwr is None:
-        raise SystemExit("fedfuse simulate: the `flwr` command is not installed (pip install flwr)")
+    env, flwr = flower_environment()
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
-    running_before = set(_superlink_pids(control_port))
+    running_before = set(superlink_pids(control_port))
 
     output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
@@ -250,9 +201,9 @@ def simulate(args: argparse.Namespace) -> int:
         returncode = _wait_for_run(process, results, started, args.timeout, args.grace)
     finally:
         if process.poll() is None:
-            _stop_processes([process.pid])
+            stop_process_tree([process.pid])
         if not args.keep_superlink:
-            _stop_processes(sorted(set(_superlink_pids(control_port)) - running_before))
+            stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
 
     if not results.is_file():
         print(

@@ -1,13 +1,84 @@
-"""A local Flower simulation launched as a subprocess (``fedfuse simulate``), for experiments.
+"""Running Flower apps as local simulations in a subprocess: fedfuse's own (``fedfuse simulate``,
+experiments) or any other (``fedfuse run-app``).
 
-A simulation owns its process tree (Ray, the local SuperLink), so sweeps and benchmarks run
-each one as its own process and read its result file.
+A simulation owns its process tree (the local SuperLink that ``flwr run`` starts, the simulation
+and its Ray workers), so each runs as its own process and is stopped as a tree. ``flwr run``
+exits 0 even when the ServerApp raised; :func:`run_flower_app` reads the run's final status from
+the SuperLink (``flwr list``) instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Environment for Flower in a closed network: no per-run dependency install, no telemetry.
+FLOWER_ENV = {
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+}
+#: the local SuperLink's Control API port, unless FLWR_LOCAL_CONTROL_API_PORT says another
+DEFAULT_CONTROL_PORT = "39093"
+
+
+def flower_environment() -> tuple[dict[str, str], str]:
+    """The environment for Flower's commands (:data:`FLOWER_ENV` unless set, and this
+    interpreter's scripts first on PATH: Flower starts ``flower-superlink`` by name) and the
+    path of ``flwr``; SystemExit when Flower is not installed."""
+    scripts = str(Path(sys.executable).parent)
+    path = os.pathsep.join([scripts, os.environ.get("PATH", "")])
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in FLOWER_ENV.items()}, "PATH": path}
+    flwr = shutil.which("flwr", path=path)
+    if flwr is None:
+        raise SystemExit("the `flwr` command is not installed (pip install flwr)")
+    return env, flwr
+
+
+def superlink_pids(control_port: str) -> list[int]:
+    """PIDs of local ``flower-superlink`` processes serving ``control_port``."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        joined = b" ".join(argv)
+        if b"flower-superlink" in joined and f"127.0.0.1:{control_port}".encode() in joined:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_process_tree(pids: list[int]) -> None:
+    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
+    its Ray workers as descendants); kill what is left after 10 s."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            processes += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def simulate_command(
@@ -36,3 +107,101 @@ def simulate_command(
         "--run-config",
         run_config,
     ]
+
+
+@dataclass
+class AppRun:
+    """How a ``flwr run`` of an app ended: Flower's exit code, the run id and the run's final
+    status on the SuperLink (``finished:completed``, ``finished:failed``, ...; "" if unknown)."""
+
+    returncode: int
+    run_id: str
+    status: str
+    output: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.status == "finished:completed"
+
+
+_STARTED = re.compile(r"Successfully started run (\d+)")
+
+
+def run_flower_app(
+    app: str | Path,
+    *,
+    num_supernodes: int = 2,
+    run_config: str = "",
+    cpus_per_client: int = 1,
+    timeout: float = 3600.0,
+    echo: bool = True,
+) -> AppRun:
+    """``flwr run <app> --stream`` as a local simulation of ``num_supernodes`` sites, then the
+    run's final status from the SuperLink; the SuperLink it started is stopped afterwards.
+
+    ``run_config`` is ``flwr run --run-config``'s ``"key=value ..."``; ``echo`` copies Flower's
+    output to this process's stdout as it comes.
+    """
+    env, flwr = flower_environment()
+    control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", DEFAULT_CONTROL_PORT)
+    running_before = set(superlink_pids(control_port))
+    command = [flwr, "run", str(app), "--stream", "--federation-config"]
+    command.append(f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}")
+    if run_config.strip():
+        command += ["--run-config", run_config]
+    log.info("running %s", " ".join(command))
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if echo:
+                sys.stdout.write(line)
+            if time.monotonic() > deadline:
+                log.error("the run did not finish within %s s", timeout)
+                break
+        returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        returncode = 124
+    finally:
+        if process.poll() is None:
+            stop_process_tree([process.pid])
+            returncode = 124
+        output = "".join(lines)
+        match = _STARTED.search(output)
+        run_id = match.group(1) if match else ""
+        status = _run_status(flwr, env, run_id) if run_id else ""
+        stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
+    return AppRun(returncode, run_id, status, output)
+
+
+def _run_status(flwr: str, env: dict[str, str], run_id: str, wait: float = 15.0) -> str:
+    """The run's status on the local SuperLink (``flwr list --run-id``), "" when unreadable;
+    polled for up to ``wait`` seconds until the run is finished."""
+    deadline = time.monotonic() + wait
+    while not (status := _read_status(flwr, env, run_id)).startswith("finished"):
+        if not status or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    return status
+
+
+def _read_status(flwr: str, env: dict[str, str], run_id: str) -> str:
+    try:
+        listed = subprocess.run(
+            [flwr, "list", "--run-id", run_id, "--format", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        runs = json.loads(listed.stdout).get("runs", [])
+    except (subprocess.TimeoutExpired, ValueError, AttributeError) as error:
+        log.warning("could not read the status of run %s: %s", run_id, error)
+        return ""
+    return str(runs[0].get("status", "")) if runs else ""

@@ -26,7 +26,12 @@ import torch
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, FusionMethod
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from fedfuse.io.validation import ContributionError, validate_partition, validate_site_facts
+from fedfuse.io.validation import (
+    ContributionError,
+    as_count,
+    validate_partition,
+    validate_site_facts,
+)
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.importance import Scores
 
@@ -44,7 +49,8 @@ class ClientUpload:
     model: LeveledModel
     scores: Scores
     num_examples: int
-    class_counts: list[int]
+    #: the site's training samples per class (None: not reported, e.g. by a plain ClientApp)
+    class_counts: list[int] | None
     partition_id: int
     num_partitions: int
     score_method: str
@@ -79,7 +85,7 @@ class ClientUpload:
             "partition_id": self.partition_id,
             "num_partitions": self.num_partitions,
             "num_examples": self.num_examples,
-            "class_counts": list(self.class_counts),
+            "class_counts": None if self.class_counts is None else list(self.class_counts),
             "train_loss": self.train_loss,
             "score_method": self.score_method,
             "init": self.init,
@@ -126,7 +132,7 @@ class StoredUpload:
     partition_id: int
     num_partitions: int
     num_examples: int
-    class_counts: list[int]
+    class_counts: list[int] | None
     scores: Scores | None
     has_grams: bool
     source: str
@@ -187,7 +193,7 @@ class UploadStore:
             partition_id=pid,
             num_partitions=upload.num_partitions,
             num_examples=upload.num_examples,
-            class_counts=list(upload.class_counts),
+            class_counts=None if upload.class_counts is None else list(upload.class_counts),
             scores=upload.scores or None,
             has_grams=upload.grams is not None,
             source=source,
@@ -228,12 +234,15 @@ class UploadStore:
             meta = checkpoint.metadata
             source = str(path)
             try:
-                count, counts = validate_site_facts(
-                    meta.get("num_examples"),
-                    meta.get("class_counts"),
-                    checkpoint.model.spec.num_classes,
-                    source=source,
-                )
+                if meta.get("class_counts") is None:  # a plain ClientApp need not send them
+                    count, counts = as_count(meta.get("num_examples"), "num-examples", source), None
+                else:
+                    count, counts = validate_site_facts(
+                        meta.get("num_examples"),
+                        meta.get("class_counts"),
+                        checkpoint.model.spec.num_classes,
+                        source=source,
+                    )
                 file_pid, total = validate_partition(
                     meta.get("partition_id", pid), meta.get("num_partitions", 0), source=source
                 )
@@ -329,32 +338,41 @@ def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) ->
         return UploadFacts(
             scores=uploads.scores(),
             sample_counts=[e.num_examples for e in entries],
-            class_counts=[e.class_counts for e in entries],
+            class_counts=_all_or_none([e.class_counts for e in entries]),
             grams=uploads.grams(),
         )
     return UploadFacts(
         scores=[u.scores for u in uploads],
         sample_counts=[u.num_examples for u in uploads],
-        class_counts=[u.class_counts for u in uploads],
+        class_counts=_all_or_none([u.class_counts for u in uploads]),
         grams=[u.grams for u in uploads] if all(u.grams for u in uploads) else None,
     )
 
 
+def _all_or_none(values: list[T | None]) -> list[T] | None:
+    return None if any(v is None for v in values) else values  # type: ignore[return-value]
+
+
 def fusion_inputs(
     uploads: UploadStore | Sequence[ClientUpload] | UploadFacts,
-    fusion_set: ImageDataset | None = None,
+    fusion_set: ImageDataset | tuple[torch.Tensor, torch.Tensor | None] | None = None,
     *,
     sites: Any = None,
     needs: Iterable[str] | None = None,
 ) -> FusionInputs:
     """The :class:`~fedfuse.fusion.FusionInputs` of a fusion: the fusion set's inputs and labels
-    (None without one), the sites' facts (:func:`upload_facts`) and ``sites``, the channel of
-    statistics rounds (None: none). With ``needs`` (a method's
-    :meth:`~fedfuse.fusion.FusionMethod.needs`), the other fields are left None."""
+    (None without one; an ``ImageDataset``, or ``(inputs, labels)`` already normalised), the
+    sites' facts (:func:`upload_facts`) and ``sites``, the channel of statistics rounds (None:
+    none). With ``needs`` (a method's :meth:`~fedfuse.fusion.FusionMethod.needs`), the other
+    fields are left None."""
     facts = upload_facts(uploads)
+    if isinstance(fusion_set, ImageDataset):
+        data, labels = fusion_set.inputs(), fusion_set.labels
+    else:
+        data, labels = fusion_set if fusion_set is not None else (None, None)
     fields: dict[str, Any] = {
-        "data": fusion_set.inputs() if fusion_set is not None else None,
-        "labels": fusion_set.labels if fusion_set is not None else None,
+        "data": data,
+        "labels": labels,
         "scores": facts.scores,
         "sample_counts": facts.sample_counts,
         "class_counts": facts.class_counts,

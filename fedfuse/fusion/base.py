@@ -36,7 +36,7 @@ class FusionResult:
     """The fused model, the wall time of the fusion and method-specific details.
 
     ``model`` is a :class:`LeveledModel`, or an instance of the user's own class with the
-    user's parameter names when plain ``nn.Module``\ s were fused.
+    user's parameter names when plain ``nn.Module`` s were fused.
     """
 
     model: LeveledModel | nn.Module
@@ -82,7 +82,7 @@ class FusionMethod(ABC):
     ) -> FusionResult:
         """Fuse ``models`` into one model of spec ``target`` (default: the first model's).
 
-        ``models`` are fedfuse's :class:`LeveledModel`\ s or instances of one plain
+        ``models`` are fedfuse's :class:`LeveledModel` s or instances of one plain
         ``nn.Module`` class: those are adapted (:class:`~fedfuse.models.ModelAdapter`, on the
         input shape of ``inputs.data``) and the fused model comes back as that class. A single
         model with another ``target`` (narrower, or shallower) is *compression* (paper Sec.
@@ -521,7 +521,7 @@ def plain_model_adapter(
     models: Sequence[LeveledModel | nn.Module], inputs: FusionInputs
 ) -> ModelAdapter | None:
     """The registered :class:`~fedfuse.models.ModelAdapter` for ``models`` when they are plain
-    ``nn.Module``\ s of one class (None when they are all leveled models already)."""
+    ``nn.Module`` s of one class (None when they are all leveled models already)."""
     plain = [m for m in models if not isinstance(m, LeveledModel)]
     if not plain:
         return None

@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedfuse.cli.simulate import _superlink_pids
 from fedfuse.data import load_dataset
+from fedfuse.federation.simulation import superlink_pids
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.training.loop import evaluate
-from tests.helpers import free_port
+from tests.helpers import flower_test_env
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -49,14 +49,7 @@ FAST_OPTIONS = " ".join(
 def _simulate(
     tmp_path: Path, run_config: str, *, app: Path = REPO, num_clients: int = 2, grace: float = 20
 ) -> tuple[subprocess.CompletedProcess, Path, str]:
-    control_port = str(free_port())
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(tmp_path / "flwr-home"),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": control_port,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }
+    env, control_port = flower_test_env(tmp_path)
     out = tmp_path / "outputs"
     command = [
         sys.executable,
@@ -81,7 +74,7 @@ def _simulate(
             command, env=env, capture_output=True, text=True, timeout=660, cwd=tmp_path
         )
     finally:
-        leftover = _superlink_pids(control_port)
+        leftover = superlink_pids(control_port)
         for pid in leftover:  # never leak a SuperLink, even if the CLI was killed
             os.kill(pid, 9)
     assert not leftover, "fedfuse simulate left its local SuperLink running"

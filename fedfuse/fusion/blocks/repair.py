@@ -147,7 +147,7 @@ def repair(
     batch_size: int = 256,
     device: str | torch.device = "auto",
 ) -> LeveledModel:
-    """Rescale and shift the fused model's hidden neurons to the interpolated base statistics.
+    r"""Rescale and shift the fused model's hidden neurons to the interpolated base statistics.
 
     Args:
         fused: the fused model; **modified in place** (and returned).

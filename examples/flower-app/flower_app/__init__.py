@@ -1,0 +1,1 @@
+"""flower-app: a Flower / PyTorch app."""

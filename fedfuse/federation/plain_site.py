@@ -1,0 +1,102 @@
+"""What a site running its *own* ClientApp can send besides its weights, computed without Flower.
+
+A Flower app's ClientApp replies with its model's weights and ``num-examples``; that is all
+FedAvg, OTFusion, Git Re-Basin, KF/HF Linear and the other fusion-set methods need. Some methods
+read more from the sites (``fedfuse methods`` lists which): importance scores of every neuron
+(neuron interpolation weighs neurons by them; it scores on the fusion set without them), the
+site's class counts (head weighting), and the Gram matrices of each level's inputs (RegMean).
+:func:`compute_site_extras` computes whichever of these the server asked for, on the site's own
+data in the app's own normalisation, from the user's own ``nn.Module``
+(:class:`~fedfuse.models.ModelAdapter` gives it fedfuse's levels).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fedfuse.data.tensors import SampleSource, collect_samples
+from fedfuse.fusion.regmean import level_grams
+from fedfuse.models import ModelAdapter
+from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
+
+log = logging.getLogger(__name__)
+
+#: the extras a server may ask a plain ClientApp for, as the train message names them
+EXTRAS = ("scores", "class-counts", "grams")
+
+
+@dataclass
+class SiteExtras:
+    """The extras one site computed (None: not asked for)."""
+
+    scores: Scores | None = None
+    class_counts: list[int] | None = None
+    grams: dict[int, torch.Tensor] | None = None
+    score_method: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def compute_site_extras(
+    model: nn.Module,
+    data: SampleSource,
+    wanted: Iterable[str],
+    *,
+    score_method: str = "conductance",
+    score_samples: int = 512,
+    score_steps: int = 16,
+    keys: tuple[str, str] | None = None,
+) -> SiteExtras:
+    """The ``wanted`` extras (names in :data:`EXTRAS`) of the site's trained ``model`` on its
+    training ``data`` (a ``DataLoader``, an ``(inputs, labels)`` pair; see
+    :func:`~fedfuse.data.tensors.collect_samples`).
+
+    Scores use the first ``score_samples`` inputs, each explaining its own label's logit; class
+    counts and Grams read all of ``data``. The model is left as it was (mode, device, weights).
+    """
+    wanted = set(wanted)
+    unknown = sorted(wanted - set(EXTRAS))
+    if unknown:
+        raise ValueError(f"unknown site extras {unknown}; known: {list(EXTRAS)}")
+    if score_method not in SCORE_METHODS:
+        raise ValueError(f"unknown score method {score_method!r}; choose one of {SCORE_METHODS}")
+    extras = SiteExtras()
+    if not wanted:
+        return extras
+    started = time.monotonic()
+    limit = None if "grams" in wanted else score_samples
+    inputs, labels = collect_samples(data, limit=limit, keys=keys, what="the site's data")
+    adapter = ModelAdapter.of(model, tuple(inputs.shape[1:]))
+    leveled = adapter.adapt(model)
+    device = next(model.parameters()).device
+    extras.seconds["collect"] = time.monotonic() - started
+    if "class-counts" in wanted:
+        if labels is None:
+            raise ValueError("the site's data has no labels, so it cannot count its classes")
+        classes = adapter.spec.num_classes
+        if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+            raise ValueError(
+                f"the site's labels span [{int(labels.min())}, {int(labels.max())}], the "
+                f"model has {classes} classes"
+            )
+        extras.class_counts = torch.bincount(labels, minlength=classes).tolist()
+    if "scores" in wanted:
+        started = time.monotonic()
+        sample = inputs[:score_samples]
+        targets = None if labels is None else labels[: len(sample)]
+        extras.scores = importance_scores(
+            leveled, sample, targets, method=score_method, n_steps=score_steps, device=device
+        )
+        extras.score_method = score_method
+        extras.seconds["score"] = time.monotonic() - started
+    if "grams" in wanted:
+        started = time.monotonic()
+        extras.grams = level_grams(leveled, inputs)
+        extras.seconds["grams"] = time.monotonic() - started
+    log.info("site extras %s computed on %d samples", sorted(wanted), len(inputs))
+    return extras

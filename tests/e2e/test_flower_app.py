@@ -1,0 +1,63 @@
+"""End to end: the worked example (Flower's PyTorch template app moved to one-shot fusion) run for
+real with `flwr run` on 2 simulated sites, through `fedfuse run-app`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedfuse.federation.simulation import superlink_pids
+from tests.helpers import flower_test_env
+
+pytestmark = pytest.mark.e2e
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
+
+
+def _run_app(tmp_path: Path, app: Path, run_config: str) -> subprocess.CompletedProcess:
+    env, control_port = flower_test_env(tmp_path)
+    command = [sys.executable, "-m", "fedfuse.cli.main", "run-app", str(app)]
+    command += ["--timeout", "600", "--run-config", run_config]
+    try:
+        return subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=660, cwd=tmp_path
+        )
+    finally:
+        leftover = superlink_pids(control_port)
+        for pid in leftover:
+            os.kill(pid, 9)
+        assert not leftover, "fedfuse run-app left its local SuperLink running"
+
+
+def test_the_example_app_fuses_the_sites_into_its_own_net(tmp_path):
+    saved = tmp_path / "final_model.pt"
+    completed = _run_app(tmp_path, EXAMPLE, f"train-samples=1500 save-path='{saved}'")
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "one-shot fusion of 2 sites" in output and "kf-linear" in output
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from flower_app.task import Net, load_centralized_test, test
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    net = Net()
+    net.load_state_dict(torch.load(saved, weights_only=True))  # the template's own names
+    _, accuracy = test(net, load_centralized_test(2000), "cpu")
+    assert accuracy > 0.2, f"the fused Net scores {accuracy:.3f} on 10 classes"
+
+
+def test_a_failing_server_app_exits_non_zero_before_any_site_trains(tmp_path):
+    app = tmp_path / "app"
+    shutil.copytree(EXAMPLE, app)
+    server = app / "flower_app" / "server_app.py"
+    server.write_text(server.read_text().replace('"kf-linear,regmean,fedavg"', '"kf-sites"'))
+    completed = _run_app(tmp_path, app, "train-samples=200")
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 1, output[-4000:]
+    assert "finished:failed" in output and "kf-sites: needs the sites themselves" in output
+    assert "stored the upload" not in output
