@@ -270,7 +270,6 @@ class OneShotFusion(Strategy):
         else:
             Path(store).mkdir(parents=True, exist_ok=True)
             folder = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=store)
-        log.info("the sites' uploads are kept in %s", folder)
         return UploadStore(folder, expected_spec=expected)
 
     def summary(self) -> None:
@@ -279,6 +278,7 @@ class OneShotFusion(Strategy):
             [(m.name, m.options()) for m in self.methods],
             self.min_nodes,
         )
+        log.info("the sites' uploads are kept in %s", self.store.directory)
 
     # ------------------------------------------------------------------ Flower hooks
     def configure_train(

@@ -492,29 +492,42 @@ def make_fusion_methods(
     listed = parse_method_names(names)
     if not listed:
         raise ValueError("no fusion method named")
+    per_method = split_method_options(listed, options, defaults=defaults)
+    return [make_fusion_method(name, **per_method[name]) for name in listed]
+
+
+def split_method_options(
+    names: Sequence[str], options: str, *, defaults: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per method of ``names``, its options from ``"k=v method.k=v ..."``: an unprefixed option
+    goes to every listed method that accepts it (an error if none does), ``method.key`` to that
+    method only (an error for a method not listed); ``defaults`` to every method that accepts
+    them, unless an option sets them. Unknown method names get what is addressed to them."""
     shared: dict[str, Any] = {}
-    specific: dict[str, dict[str, Any]] = {name: {} for name in listed}
-    for key, value in parse_options(options).items():
+    specific: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for key, value in (parse_options(options) if options else {}).items():
         method, dot, option = key.rpartition(".")
         if not dot:
             shared[key] = value
         elif method in specific:
             specific[method][option] = value
         else:
-            raise ValueError(f"fusion option {key!r} names {method!r}, which is not in {listed}")
+            raise ValueError(
+                f"fusion option {key!r} names {method!r}, which is not in {list(names)}"
+            )
     for key in shared:
         if not any(
-            key in FUSION_METHODS[n].accepted_options() for n in listed if n in FUSION_METHODS
+            key in FUSION_METHODS[n].accepted_options() for n in names if n in FUSION_METHODS
         ):
-            raise ValueError(f"fusion option {key!r} is accepted by none of {listed}")
-    methods = []
-    for name in listed:
+            raise ValueError(f"fusion option {key!r} is accepted by none of {list(names)}")
+    result = {}
+    for name in names:
         accepted = FUSION_METHODS[name].accepted_options() if name in FUSION_METHODS else []
         applicable = {k: v for k, v in (defaults or {}).items() if k in accepted}
         applicable.update({k: v for k, v in shared.items() if k in accepted})
         applicable.update(specific[name])
-        methods.append(make_fusion_method(name, **applicable))
-    return methods
+        result[name] = applicable
+    return result
 
 
 def plain_model_adapter(

@@ -40,3 +40,18 @@ def test_the_app_uses_public_fedfuse_names_only(side):
         assert not name.startswith("_") and "._" not in f"{module}.{name}"
         package = __import__(module, fromlist=[name])
         assert name in package.__all__, f"{module}.{name} is not exported"
+
+
+@pytest.mark.parametrize("side", ["server_app", "client_app"])
+def test_the_guide_shows_the_diff_as_it_is(side):
+    guide = (APP.parents[2] / "docs" / "flower-apps.md").read_text()
+    before = (APP / f"template_{side}.py").read_text().splitlines()
+    after = (APP / f"{side}.py").read_text().splitlines()
+    changes = [
+        line
+        for line in difflib.unified_diff(before, after, lineterm="")
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert changes
+    for line in changes:
+        assert f"\n{line}\n" in guide, f"docs/flower-apps.md lacks the diff line {line!r}"

@@ -156,7 +156,7 @@ class SpaceSuperNet(nn.Module):
                     stacked = torch.cat(
                         [s[axis.key].float().movedim(axis.dim, 0) for s in self.states], 0
                     )
-                    value = torch.tensordot(merge_ref, stacked, dims=([1], [0]))
+                    value = torch.tensordot(merge_ref.to(stacked.device), stacked, dims=([1], [0]))
                     self.norms[name] = nn.Parameter(value.movedim(0, axis.dim).contiguous())
                     self.plan[axis.key] = name
                     continue

@@ -21,6 +21,12 @@ from fedfuse.fusion.blocks.batchnorm import refold_batchnorm_statistics
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID
 from fedfuse.fusion.inputs import head_weights as resolve_head_weights
 from fedfuse.fusion.inputs import resolve_scores
+from fedfuse.fusion.neuron_interpolation.blocks import (
+    check_block_levels,
+    fit_block_linear,
+    is_block_level,
+)
+from fedfuse.fusion.neuron_interpolation.costs import level_cost
 from fedfuse.fusion.neuron_interpolation.gradient import (
     GRADIENT_PRESETS,
     GradientPreset,
@@ -31,6 +37,7 @@ from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neuron
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.neuron_interpolation.structure import check_structure
 from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import affine_view
 from fedfuse.models.capture import capture_levels
 from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import resolve_device
@@ -183,6 +190,12 @@ class NeuronInterpolation(FusionMethod):
         return torch.float32 if self.gram_precision == "float32" else torch.float64
 
     # ------------------------------------------------------------------ configuration
+    def check_architecture(self, model: LeveledModel) -> None:
+        """The Linear variants fit affine levels and ResNet stems and BasicBlocks in closed
+        form; the Gradient variants train any differentiable level."""
+        if self.approximation == "linear":
+            check_block_levels(model, affine_view)
+
     def requirements(self) -> frozenset[str]:
         return self.requires | ({"class_counts"} if self.head_weights else set())
 
@@ -267,7 +280,8 @@ class NeuronInterpolation(FusionMethod):
                     batch_size=self.batch_size_capture,
                     device=device,
                     store_device=device,
-                    keep_inputs=False,
+                    keep_inputs=self.approximation == "linear"
+                    and any(is_block_level(level) for level in m.levels),
                 )
             ]
         ]
@@ -310,7 +324,24 @@ class NeuronInterpolation(FusionMethod):
             k = fused.level_width(index)
             if labels is None and fused.is_residual(index):
                 labels = self._residual_labels(x, outputs, weights, widths, k)
-            if self.approximation == "linear":
+            if self.approximation == "linear" and is_block_level(level):
+                info = fit_block_linear(
+                    level,
+                    x,
+                    [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)],
+                    [c[index].inputs for c in captured],
+                    weights,
+                    k,
+                    labels,
+                    group=self._group,
+                    batch_size=self.batch_size_capture,
+                )
+                info.update(
+                    level_cost(
+                        level, x, outputs, info.pop("labels"), weights, self.batch_size_capture
+                    )
+                )
+            elif self.approximation == "linear":
                 info = fit_linear(
                     level,
                     x,

@@ -40,7 +40,6 @@ class HFLinear(NeuronInterpolation):
 
     name = "hf-linear"
     max_models = 2  # one-to-one matching (Sec. 4)
-    needs_affine_levels = True
 
 
 @register_fusion_method
@@ -58,7 +57,6 @@ class KFLinear(NeuronInterpolation):
     """
 
     name = "kf-linear"
-    needs_affine_levels = True
 
 
 @register_fusion_method

@@ -1,0 +1,113 @@
+"""``fedfuse speed`` on tiny ResNets and ViTs: accepting methods timed, refusals and failures
+reported with their reason, the others going on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fedfuse.cli.main import main
+from fedfuse.experiments import speed
+from fedfuse.fusion.base import FUSION_METHODS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY_RESNET = {"depth": 10, "width_multiplier": 0.125}
+TINY_VIT = {"patch": 4, "depth": 1, "heads": 2, "hidden": 16, "mlp": 16}
+
+
+def _by_method(rows):
+    return {row["method"]: row for row in rows}
+
+
+def _assert_timed(row):
+    assert row["status"] == "ok", row
+    assert all(math.isfinite(s) and s > 0 for s in row["all_seconds"])
+    assert math.isfinite(row["seconds"]) and row["seconds"] > 0
+    assert row["peak_rss_gib"] > 0
+    assert row["peak_cuda_gib"] is None  # on the CPU
+
+
+def test_resnet_times_accepting_methods_and_reports_a_refusal():
+    rows = speed.measure(
+        ["fedavg", "git-rebasin", "regmean", "fedma"],
+        arch="resnet",
+        input_shape=(3, 16, 16),
+        model_options=TINY_RESNET,
+        fusion_samples=16,
+        repeats=2,
+        device="cpu",
+    )
+    by = _by_method(rows)
+    assert list(by) == ["fedavg", "git-rebasin", "regmean", "fedma"]
+    for name in ("fedavg", "git-rebasin", "regmean"):
+        _assert_timed(by[name])
+        assert len(by[name]["all_seconds"]) == 2
+    assert "Grams" in by["regmean"]["note"]
+    assert by["fedma"]["status"] == "refused"
+    assert "fedma: cannot fuse resnet models" in by["fedma"]["note"]
+    table = speed.format_speed_table(rows, "header")
+    assert "| git-rebasin |" in table and "- fedma (refused): fedma:" in table
+
+
+def test_vit_with_method_options_a_skip_and_a_failure(monkeypatch):
+    def broken(self, models, inputs, target):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(FUSION_METHODS["vanilla"], "_fuse", broken)
+    names = speed.resolve_methods("fedavg,kd,vanilla,fedma,kf-sites")
+    rows = speed.measure(
+        names,
+        arch="vit",
+        input_shape=(3, 16, 16),
+        model_options=TINY_VIT,
+        fusion_samples=16,
+        device="cpu",
+        options=speed.split_options(names, "kd.epochs=1 kd.patience=1"),
+    )
+    by = _by_method(rows)
+    _assert_timed(by["fedavg"])
+    _assert_timed(by["kd"])
+    assert by["kd"]["note"] == "random labels"
+    assert by["vanilla"]["status"] == "failed"
+    assert "out of memory (simulated)" in by["vanilla"]["note"]
+    assert by["fedma"]["status"] == "refused" and "vit" in by["fedma"]["note"]
+    assert by["kf-sites"]["status"] in ("refused", "skipped") and by["kf-sites"]["note"]
+    table = speed.format_speed_table(rows, "header")
+    assert "| vanilla | FAILED |" in table
+
+
+def test_methods_needing_the_sites_are_skipped_not_crashed():
+    rows = speed.measure(
+        ["hf-sites"], arch="mlp", input_shape=(1, 4, 4), width=4, fusion_samples=8, device="cpu"
+    )
+    assert rows[0]["status"] == "skipped"
+    assert "sites themselves" in rows[0]["note"]
+
+
+def test_all_and_options_split():
+    assert speed.resolve_methods("all") == sorted(FUSION_METHODS)
+    assert speed.resolve_methods("fedavg,all")[0] == "fedavg"
+    with pytest.raises(ValueError, match="unknown fusion method"):
+        speed.resolve_methods("fedavg,nope")
+    options = speed.split_options(["fedavg", "kd", "regmean"], "epochs=2 regmean.alpha=0.5")
+    assert options == {"fedavg": {}, "kd": {"epochs": 2}, "regmean": {"alpha": 0.5}}
+    with pytest.raises(ValueError, match="accepted by none"):
+        speed.split_options(["fedavg"], "epochs=2")
+
+
+def test_cli_prints_the_table_with_the_device(capsys):
+    code = main(
+        [
+            "speed", "--arch", "resnet", "--model-options", "depth=10 width_multiplier=0.125",
+            "--input-shape", "3,16,16", "--methods", "fedavg,fedma", "--samples", "8",
+            "--device", "cpu",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "fusing two resnet (blocks=[1, 1, 1, 1], stem=cifar" in out
+    assert "device cpu" in out
+    assert "| method | seconds (median) | peak RSS GiB | peak CUDA GiB | note |" in out
+    assert "| fedavg |" in out and "- fedma (refused): fedma: cannot fuse resnet" in out
