@@ -152,3 +152,22 @@ def test_closed_form_variants_accept_resnets_and_name_the_vit_level_they_cannot_
         ValueError, match=rf"{method}: cannot fuse vit models: level 0:PatchEmbedding.* neither"
     ):
         make_fusion_method(method).check_run(2, VIT)
+
+
+@pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
+def test_a_closed_form_start_is_kept_when_descent_cannot_improve_it(method, generator):
+    model = _model(RESNET, 0, generator)
+    copy = permute_model(model, random_permutations(model, generator))
+    data = torch.randn(96, *RESNET.input_shape, generator=generator)
+    fused = make_fusion_method(
+        method, use_scores=False, start="closed-form", preset="refine", device="cpu"
+    ).fuse([model, copy], FusionInputs(data))
+    fresh = torch.randn(48, *RESNET.input_shape, generator=generator)
+    expected = model(fresh)
+    # Table 9's start moves the logits by a fifth of their size on this very case (above)
+    assert (fused.model.eval()(fresh) - expected).abs().max() < 1e-2 * expected.abs().max()
+    levels = fused.details["levels"]
+    assert all(level["closed_form_cost"] < 1e-6 for level in levels)
+    assert fused.details["gradient"]["patience"] == 3
+    with pytest.raises(ValueError, match="start must be one of"):
+        make_fusion_method(method, start="somewhere")

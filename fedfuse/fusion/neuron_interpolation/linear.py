@@ -50,7 +50,7 @@ def fit_linear(
 ) -> dict[str, Any]:
     """Fit the affine ``level`` (inputs ``x``) in closed form to the weighted centres of the
     base ``outputs``' groups (``labels``, or ``group`` them in the design's basis); return the
-    level's details (costs, rank, ridge and how it was chosen, route)."""
+    level's details (costs, rank, ridge and how it was chosen, route) and the ``labels``."""
     view = affine_view(level)
     if view is None:
         raise ValueError(
@@ -127,6 +127,7 @@ def fit_linear(
         "fan_in": view.fan_in,
         "rows": rows,
         "route": "kernel" if basis.uses_kernel else "gram",
+        "labels": labels,
     }
 
 

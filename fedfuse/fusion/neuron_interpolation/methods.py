@@ -61,8 +61,13 @@ VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
         "batch_size",
         "patience",
         "weighted_loss",
+        "start",
     ),
 }
+
+
+#: where a Gradient variant's descent starts, per level
+STARTS = ("base", "closed-form")
 
 
 class NeuronInterpolation(FusionMethod):
@@ -99,6 +104,11 @@ class NeuronInterpolation(FusionMethod):
             ``epsilon`` interpolates the initial level weights from model 0's level (0) to a
             fresh initialisation (1); ``patience`` 0 never stops early.
         weighted_loss: Gradient: weight each fused neuron's MSE by its cluster's importance.
+        start: Gradient: where each level's descent starts: ``"base"`` (Table 9: model 0's level
+            blended with a fresh one by ``epsilon``) or ``"closed-form"`` (the Linear fit, for
+            affine levels and ResNet stems and blocks; other levels start from ``"base"``),
+            which is kept when descent does not improve it on the held-out slice; the
+            ``"refine"`` preset suits it.
         seed: seeds k-means, fresh initialisations and the validation split.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         batch_size_capture: samples per forward pass when capturing level outputs.
@@ -136,6 +146,7 @@ class NeuronInterpolation(FusionMethod):
         batch_size: int | None = None,
         patience: int | None = None,
         weighted_loss: bool = False,
+        start: str = "base",
         seed: int = 0,
         device: str = "auto",
         batch_size_capture: int = 256,
@@ -177,6 +188,9 @@ class NeuronInterpolation(FusionMethod):
         self.batch_size = batch_size
         self.patience = patience
         self.weighted_loss = weighted_loss
+        if start not in STARTS:
+            raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+        self.start = start
         self.seed = seed
         self.device = device
         self.batch_size_capture = batch_size_capture
@@ -280,7 +294,7 @@ class NeuronInterpolation(FusionMethod):
                     batch_size=self.batch_size_capture,
                     device=device,
                     store_device=device,
-                    keep_inputs=self.approximation == "linear"
+                    keep_inputs=(self.approximation == "linear" or self.start == "closed-form")
                     and any(is_block_level(level) for level in m.levels),
                 )
             ]
@@ -324,7 +338,12 @@ class NeuronInterpolation(FusionMethod):
             k = fused.level_width(index)
             if labels is None and fused.is_residual(index):
                 labels = self._residual_labels(x, outputs, weights, widths, k)
-            if self.approximation == "linear" and is_block_level(level):
+            closed_form = self.approximation == "linear" or (
+                self.start == "closed-form"
+                and (is_block_level(level) or affine_view(level) is not None)
+            )
+            info: dict[str, Any] = {}
+            if closed_form and is_block_level(level):
                 info = fit_block_linear(
                     level,
                     x,
@@ -337,11 +356,9 @@ class NeuronInterpolation(FusionMethod):
                     batch_size=self.batch_size_capture,
                 )
                 info.update(
-                    level_cost(
-                        level, x, outputs, info.pop("labels"), weights, self.batch_size_capture
-                    )
+                    level_cost(level, x, outputs, info["labels"], weights, self.batch_size_capture)
                 )
-            elif self.approximation == "linear":
+            elif closed_form:
                 info = fit_linear(
                     level,
                     x,
@@ -357,7 +374,8 @@ class NeuronInterpolation(FusionMethod):
                     batch_size_capture=self.batch_size_capture,
                     name=self.name,
                 )
-            else:
+            if self.approximation == "gradient":
+                start = {key: info[key] for key in ("representation_cost",) if key in info}
                 info = fit_gradient(
                     level,
                     x,
@@ -365,7 +383,7 @@ class NeuronInterpolation(FusionMethod):
                     weights,
                     widths,
                     k,
-                    labels,
+                    info.get("labels", labels),
                     models[0].levels[mappings[0][index]],
                     is_head,
                     index,
@@ -374,7 +392,11 @@ class NeuronInterpolation(FusionMethod):
                     weighted_loss=self.weighted_loss,
                     seed=self.seed,
                     batch_size_capture=self.batch_size_capture,
+                    started=closed_form,
                 )
+                if start:
+                    info["closed_form_cost"] = start["representation_cost"]
+            info.pop("labels", None)
             for capture in captured:  # this level's base outputs are not needed again
                 del capture[index]
             del outputs
