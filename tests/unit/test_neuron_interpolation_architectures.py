@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from torch import nn
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
-from fedfuse.models import build_model, make_spec
+from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 
 RESNET = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 8)
@@ -116,21 +117,57 @@ def test_compressing_a_deeper_resnet_into_a_shallower_one(generator):
 
 
 # ------------------------------------------------------------------ closed form inside blocks
+SUBLAYERS = {
+    "resnet": [["conv"], ["conv1", "conv2"], ["conv1", "conv2+shortcut"]],
+    "vit": [
+        ["projection+position"],
+        ["q+k", "v+out", "fc1", "fc2"],
+        ["q+k", "v+out", "fc1", "fc2"],
+    ],
+}
+
+
+@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
 @pytest.mark.parametrize("method", ["hf-linear", "kf-linear"])
-def test_closed_form_fusion_of_a_resnet_with_its_permuted_copy_keeps_its_function(
-    method, generator
+def test_closed_form_fusion_of_a_model_with_its_permuted_copy_keeps_its_function(
+    spec, method, generator
 ):
-    model = _model(RESNET, 0, generator)
+    model = _model(spec, 0, generator)
     copy = permute_model(model, random_permutations(model, generator))
-    data = torch.randn(96, *RESNET.input_shape, generator=generator)
+    data = torch.randn(96, *spec.input_shape, generator=generator)
     fused = make_fusion_method(method, use_scores=False).fuse([model, copy], FusionInputs(data))
-    fresh = torch.randn(48, *RESNET.input_shape, generator=generator)
+    fresh = torch.randn(48, *spec.input_shape, generator=generator)
     expected, got = model(fresh), fused.model.eval()(fresh)
     # every sub-layer fit is exact here: only float32 rounding and the ridge's shrinkage remain
     assert (got - expected).abs().max() < 1e-3 * expected.abs().max()
     sublayers = [level.get("sublayers") for level in fused.details["levels"]]
-    assert list(sublayers[0]) == ["conv"] and list(sublayers[1]) == ["conv1", "conv2"]
-    assert list(sublayers[2]) == ["conv1", "conv2+shortcut"] and sublayers[-1] is None
+    assert [list(s) for s in sublayers[:3]] == SUBLAYERS[spec.arch] and sublayers[-1] is None
+
+
+def test_attention_heads_are_matched_across_models_by_their_maps(generator):
+    """A copy whose heads are reordered (queries, keys, values and the output's columns moved
+    together) pairs each head with its own image, so the fit stays exact."""
+    model = _model(VIT, 0, generator)
+    copy = permute_model(model, random_permutations(model, generator))
+    order = torch.tensor([2, 0, 3, 1])
+    with torch.no_grad():
+        for block in copy.levels[1:-1]:
+            size = block.attention.q.out_features // 4
+            index = (order[:, None] * size + torch.arange(size)).flatten()
+            for name in ("q", "k", "v"):
+                layer = getattr(block.attention, name)
+                layer.weight.copy_(layer.weight[index])
+                layer.bias.copy_(layer.bias[index])
+            block.attention.out.weight.copy_(block.attention.out.weight[:, index])
+    data = torch.randn(96, *VIT.input_shape, generator=generator)
+    torch.testing.assert_close(copy(data), model(data), atol=1e-4, rtol=1e-4)
+    fused = make_fusion_method("hf-linear", use_scores=False).fuse(
+        [model, copy], FusionInputs(data)
+    )
+    heads = fused.details["levels"][1]["heads"]
+    assert heads[4:] == [heads[:4][i] for i in order.tolist()]
+    expected = model(data)
+    assert (fused.model.eval()(data) - expected).abs().max() < 1e-3 * expected.abs().max()
 
 
 def test_k_means_linear_fuses_three_resnets_into_a_narrower_one(generator):
@@ -146,23 +183,26 @@ def test_k_means_linear_fuses_three_resnets_into_a_narrower_one(generator):
 
 
 @pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
-def test_closed_form_variants_accept_resnets_and_name_the_vit_level_they_cannot_fit(method):
+def test_closed_form_variants_accept_resnets_and_vits_and_name_a_level_they_cannot_fit(method):
     make_fusion_method(method).check_run(2, RESNET)
-    with pytest.raises(
-        ValueError, match=rf"{method}: cannot fuse vit models: level 0:PatchEmbedding.* neither"
-    ):
-        make_fusion_method(method).check_run(2, VIT)
+    make_fusion_method(method).check_run(2, VIT)
+    spec = make_spec("mlp", (4,), 3, widths=[8])
+    two_layers = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+    model = LeveledModel([two_layers, nn.Linear(8, 3)], spec)
+    with pytest.raises(ValueError, match=r"level 0:Linear\+ReLU\+Linear is neither affine"):
+        make_fusion_method(method).check_architecture(model)
 
 
+@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
 @pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
-def test_a_closed_form_start_is_kept_when_descent_cannot_improve_it(method, generator):
-    model = _model(RESNET, 0, generator)
+def test_a_closed_form_start_is_kept_when_descent_cannot_improve_it(spec, method, generator):
+    model = _model(spec, 0, generator)
     copy = permute_model(model, random_permutations(model, generator))
-    data = torch.randn(96, *RESNET.input_shape, generator=generator)
+    data = torch.randn(96, *spec.input_shape, generator=generator)
     fused = make_fusion_method(
         method, use_scores=False, start="closed-form", preset="refine", device="cpu"
     ).fuse([model, copy], FusionInputs(data))
-    fresh = torch.randn(48, *RESNET.input_shape, generator=generator)
+    fresh = torch.randn(48, *spec.input_shape, generator=generator)
     expected = model(fresh)
     # Table 9's start moves the logits by a fifth of their size on this very case (above)
     assert (fused.model.eval()(fresh) - expected).abs().max() < 1e-2 * expected.abs().max()

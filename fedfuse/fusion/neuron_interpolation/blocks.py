@@ -38,32 +38,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.least_squares import accumulate_normal_equations, ridge_fit
 from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
+from fedfuse.fusion.neuron_interpolation.sublayers import chunks, group_targets, run_chunks
+from fedfuse.fusion.neuron_interpolation.transformer import (
+    TRANSFORMER_LEVELS,
+    fit_transformer_level,
+)
 from fedfuse.models.affine import AffineLevel, output_rows
 from fedfuse.models.leveled import LeveledModel
 from fedfuse.models.resnet import BasicBlock, Stem
 
 #: the levels fitted here besides affine ones
-BLOCK_LEVELS = (Stem, BasicBlock)
+BLOCK_LEVELS = (Stem, BasicBlock, *TRANSFORMER_LEVELS)
 
 
 def is_block_level(level: nn.Module) -> bool:
-    """Whether ``level`` is a ResNet stem or BasicBlock (fitted by :func:`fit_block_linear`)."""
+    """Whether ``level`` is a ResNet stem or BasicBlock, or a ViT patch embedding or encoder
+    block (fitted by :func:`fit_block_linear`)."""
     return isinstance(level, BLOCK_LEVELS)
 
 
 def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) -> None:
     """Raise ValueError naming the first neuron level that is neither affine (``affine(level)``
-    not None) nor a ResNet stem or BasicBlock."""
+    not None) nor a ResNet or ViT block."""
     for index in model.neuron_levels:
         level = model.levels[index]
         if affine(level) is None and not is_block_level(level):
             raise ValueError(
                 f"level {model.level_name(index)} is neither affine (parameter-free ops then one "
-                "Linear/Conv2d) nor a ResNet stem or BasicBlock, the levels a Linear variant "
-                "fits in closed form; use a gradient variant for it"
+                "Linear/Conv2d) nor a ResNet stem, BasicBlock or ViT patch embedding or "
+                "encoder block, the levels a Linear variant fits in closed form; use a gradient "
+                "variant for it"
             )
 
 
@@ -80,31 +86,44 @@ def fit_block_linear(
     group: GroupFn,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Fit the fused ResNet ``level`` (a :class:`Stem` or :class:`BasicBlock`, inputs ``x``) in
-    closed form, sub-layer by sub-layer (module docstring), to the base ``base_levels`` run on
+    """Fit the fused block ``level`` (inputs ``x``) in closed form, sub-layer by sub-layer: a
+    ResNet :class:`Stem` or :class:`BasicBlock` (module docstring) or a ViT level
+    (:mod:`.transformer`), to the base ``base_levels`` run on
     their own ``base_inputs``; ``weights`` are the base output neurons' importances and
     ``labels`` their groups when already chosen (residual levels). Returns the fit's details:
     the ridge of each sub-layer fit and the output neurons' ``labels``."""
-    chunks = _chunks(len(x), batch_size)
+    if isinstance(level, TRANSFORMER_LEVELS):
+        return fit_transformer_level(
+            level,
+            x,
+            base_levels,
+            base_inputs,
+            weights,
+            k,
+            labels,
+            group=group,
+            batch_size=batch_size,
+        )
+    parts = chunks(len(x), batch_size)
     # the base models stay where they are, unchanged: their level runs as a copy beside x
     base_levels = [copy.deepcopy(b).to(x.device).eval() for b in base_levels]
     if isinstance(level, Stem):
         base_u = [
-            _run(lambda t, s=s: s.bn(s.conv(t)), i, chunks)
+            run_chunks(lambda t, s=s: s.bn(s.conv(t)), i, parts)
             for s, i in zip(base_levels, base_inputs, strict=True)
         ]
-        labels, targets = _group_targets(base_u, weights, k, labels, group)
-        ridge = _fit_convs([level.conv], [x], targets, level.bn, chunks)
+        labels, targets = group_targets(base_u, weights, k, labels, group)
+        ridge = _fit_convs([level.conv], [x], targets, level.bn, parts)
         return {"sublayers": {"conv": ridge}, "labels": labels}
     if not isinstance(level, BasicBlock):
         raise TypeError(f"fit_block_linear fits a ResNet Stem or BasicBlock, not {type(level)}")
     details: dict[str, Any] = {}
     base_u = [
-        _run(lambda t, b=b: b.bn1(b.conv1(t)), i, chunks)
+        run_chunks(lambda t, b=b: b.bn1(b.conv1(t)), i, parts)
         for b, i in zip(base_levels, base_inputs, strict=True)
     ]
     inner = level.conv1.out_channels
-    _, inner_targets = _group_targets(
+    _, inner_targets = group_targets(
         base_u,
         torch.ones(sum(u.shape[1] for u in base_u), device=weights.device),
         inner,
@@ -112,22 +131,22 @@ def fit_block_linear(
         group,
     )
     del base_u
-    details["conv1"] = _fit_convs([level.conv1], [x], inner_targets, level.bn1, chunks)
+    details["conv1"] = _fit_convs([level.conv1], [x], inner_targets, level.bn1, parts)
     del inner_targets
-    h = _run(lambda t: level.relu1(level.bn1(level.conv1(t))), x, chunks)
+    h = run_chunks(lambda t: level.relu1(level.bn1(level.conv1(t))), x, parts)
     base_z = [
-        _run(lambda t, b=b: _pre_output(b, t), i, chunks)
+        run_chunks(lambda t, b=b: _pre_output(b, t), i, parts)
         for b, i in zip(base_levels, base_inputs, strict=True)
     ]
-    labels, targets = _group_targets(base_z, weights, k, labels, group)
+    labels, targets = group_targets(base_z, weights, k, labels, group)
     del base_z
     if level.identity_shortcut:
         targets = targets - output_rows(x).to(targets.dtype)
-        details["conv2"] = _fit_convs([level.conv2], [h], targets, level.bn2, chunks)
+        details["conv2"] = _fit_convs([level.conv2], [h], targets, level.bn2, parts)
     else:
         conv, norm = level.shortcut[0], level.shortcut[1]
         details["conv2+shortcut"] = _fit_convs(
-            [level.conv2, conv], [h, x], targets, level.bn2, chunks
+            [level.conv2, conv], [h, x], targets, level.bn2, parts
         )
         _set_batchnorm(norm, torch.zeros(norm.num_features, device=norm.weight.device))
     return {"sublayers": details, "labels": labels}
@@ -137,33 +156,6 @@ def _pre_output(block: BasicBlock, x: torch.Tensor) -> torch.Tensor:
     """A block's pre-activation output ``BN_2(conv_2(h)) + s(x)`` (before its last ReLU)."""
     h = block.relu1(block.bn1(block.conv1(x)))
     return block.bn2(block.conv2(h)) + block.shortcut(x)
-
-
-def _chunks(samples: int, batch_size: int) -> list[slice]:
-    return [slice(s, s + batch_size) for s in range(0, samples, max(1, batch_size))]
-
-
-def _run(
-    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: list[slice]
-) -> torch.Tensor:
-    """``fn`` over ``x`` chunk by chunk, modules in eval mode (the function a fit targets)."""
-    return torch.cat([fn(x[c]) for c in chunks])
-
-
-def _group_targets(
-    preacts: list[torch.Tensor],
-    weights: torch.Tensor,
-    k: int,
-    labels: torch.Tensor | None,
-    group: GroupFn,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the base neurons (columns of their pre-activation rows) into ``k`` unless
-    ``labels`` are given; return the labels and the groups' weighted centres (rows x k)."""
-    rows = torch.cat([output_rows(p) for p in preacts], 1)
-    weights = weights.to(rows.device, rows.dtype)
-    if labels is None:
-        labels = group(rows.T.contiguous(), weights, [p.shape[1] for p in preacts], k)
-    return labels, cluster_targets(rows, labels.to(rows.device), weights, k)
 
 
 def _design(convs: list[nn.Conv2d], inputs: list[torch.Tensor], chunk: slice) -> torch.Tensor:

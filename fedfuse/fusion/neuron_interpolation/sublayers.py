@@ -1,0 +1,82 @@
+"""Shared steps of the closed-form fits inside a block: run a piece of a base level chunk by
+chunk, group its neurons into target centres, and ridge-fit a linear map to them from design
+rows (the ridge chosen by GCV, as for the affine levels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fedfuse.fusion.blocks.costs import cluster_targets
+from fedfuse.fusion.blocks.least_squares import (
+    RidgeFit,
+    accumulate_normal_equations,
+    gram_spectrum,
+    ridge_fit,
+)
+from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
+from fedfuse.models.affine import output_rows
+
+
+def chunks(samples: int, batch_size: int) -> list[slice]:
+    """Consecutive slices of at most ``batch_size`` samples."""
+    return [slice(s, s + batch_size) for s in range(0, samples, max(1, batch_size))]
+
+
+def run_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, parts: list[slice]
+) -> torch.Tensor:
+    """``fn`` over ``x`` chunk by chunk (modules in eval mode: the function a fit targets)."""
+    return torch.cat([fn(x[c]) for c in parts])
+
+
+def group_targets(
+    preacts: list[torch.Tensor],
+    weights: torch.Tensor,
+    k: int,
+    labels: torch.Tensor | None,
+    group: GroupFn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the base neurons (columns of their output rows) into ``k`` unless ``labels`` are
+    given; return the labels and the groups' weighted centres (rows x k)."""
+    rows = torch.cat([output_rows(p) for p in preacts], 1)
+    weights = weights.to(rows.device, rows.dtype)
+    if labels is None:
+        labels = group(rows.T.contiguous(), weights, [p.shape[1] for p in preacts], k)
+    return labels, cluster_targets(rows, labels.to(rows.device), weights, k)
+
+
+def with_ones(rows: torch.Tensor) -> torch.Tensor:
+    """Design rows with a trailing column of ones (the bias)."""
+    return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
+
+
+def fit_rows(
+    design: Callable[[slice], torch.Tensor],
+    targets: Callable[[slice], torch.Tensor],
+    parts: list[slice],
+) -> tuple[RidgeFit, torch.Tensor, int]:
+    """Ridge fit (GCV) of the target rows ``targets(c)`` on the design rows ``design(c)``,
+    summed over the chunks ``parts``; returns the fit, the design's Gram and its row count."""
+    rows = 0
+
+    def counted(c: slice) -> torch.Tensor:
+        nonlocal rows
+        block = design(c)
+        rows += len(block)
+        return block
+
+    gram, cross, norms = accumulate_normal_equations(
+        (counted(c) for c in parts), (targets(c) for c in parts), dtype=torch.float32
+    )
+    return ridge_fit(gram, cross, norms, rows), gram, rows
+
+
+def whitener(gram: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H, H^+)`` with ``H H^T`` the design's second moment ``X^T X / rows`` on its range and
+    ``H^+`` its pseudo-inverse transposed: a map ``M`` truncated as ``H^T M`` is truncated where
+    the data measures its error (``||X M||``)."""
+    spectrum = gram_spectrum(gram / rows, rows=rows, rcond=1e-8)
+    root = spectrum.values.sqrt()
+    return spectrum.vectors * root, spectrum.vectors / root
