@@ -127,6 +127,7 @@ def pack_statistics_request(request: StatisticsRequest, model: LeveledModel) -> 
                     "dtype": request.dtype,
                     "seed": request.seed,
                     "gram-rank": -1 if request.gram_rank is None else request.gram_rank,
+                    "piece": request.piece,
                 }
             ),
         }
@@ -144,6 +145,7 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         level, max_samples = int(config["level"]), int(config["max-samples"])
         dtype, seed = str(config["dtype"]), int(config["seed"])
         gram_rank = int(config.get("gram-rank", -1))
+        piece = int(config.get("piece", 0))
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"malformed statistics request ({error!r})") from None
     fused = model_from_state(fused_spec, fused_state, source="the fused model of the request")
@@ -157,6 +159,7 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         dtype,
         seed,
         None if gram_rank < 0 else gram_rank,
+        piece=piece,
     )
     return request, model
 
@@ -169,6 +172,7 @@ def pack_statistics(statistics: SiteStatistics) -> RecordDict:
             METRICS_KEY: MetricRecord(
                 {
                     "level": statistics.level,
+                    "piece": statistics.piece,
                     "rows": statistics.rows,
                     "translation-ridge": statistics.translation_ridge,
                     "gram-floor": statistics.gram_floor,
@@ -188,9 +192,9 @@ def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
         missing = sorted(set(SiteStatistics.TENSORS) - set(tensors))
         if missing:
             raise KeyError(f"statistics {missing}")
-        rows, level = metrics["rows"], metrics["level"]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, level)):
-            raise TypeError(f"rows {rows!r} and level {level!r} must be integers")
+        rows, level, piece = metrics["rows"], metrics["level"], metrics.get("piece", 0)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, level, piece)):
+            raise TypeError(f"rows {rows!r}, level {level!r}, piece {piece!r} must be integers")
         ridge = float(metrics.get("translation-ridge", 0.0))
         floor = float(metrics.get("gram-floor", 0.0))
         seconds = float(metrics.get(f"{SECONDS_PREFIX}statistics", 0.0))
@@ -206,6 +210,8 @@ def unpack_statistics(content: RecordDict, *, source: str) -> SiteStatistics:
         translation_ridge=ridge,
         gram_floor=floor,
         seconds=seconds,
+        piece=piece,
+        **{name: tensors.get(name) for name in SiteStatistics.STREAM_TENSORS},
     )
 
 

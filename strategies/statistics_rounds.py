@@ -1,7 +1,8 @@
 """Statistics rounds over Flower: the :class:`~fedfuse.fusion.site_statistics.SiteChannel` of a
 Flower run, used by methods fitted on the sites' data (``kf-sites``, ``hf-sites``).
 
-After the train round, such a method asks for one round per level. Each round sends every
+After the train round, such a method asks for one round per linear piece of each level (an
+affine level has one, a ResNet block two). Each round sends every
 site that uploaded a ``query.statistics`` message (the fused model so far and the site's own
 model) and takes the replies as they arrive, with the train round's reply timeout and flow
 control. A reply is validated before it is used; a site that fails, answers garbage or stays
@@ -25,7 +26,7 @@ from fedfuse.clients.records import (
 )
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
-from fedfuse.models.affine import affine_view
+from fedfuse.models.pieces import linear_pieces
 
 from .messaging import replies_by_site
 from .replies import short_reason
@@ -77,8 +78,6 @@ class FlowerSites:
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
 
         started = time.monotonic()
-        view = affine_view(request.fused.levels[request.level])
-        assert view is not None
         messages = [
             Message(
                 content=pack_statistics_request(request, self.models[index]),
@@ -97,11 +96,14 @@ class FlowerSites:
             max_in_flight=self.max_in_flight,
         )
         for index, reply in replies:
-            answers[index] = self._decode(reply, index, request, view.fan_in)
-        self.rounds.append({"level": request.level, "seconds": time.monotonic() - started})
+            answers[index] = self._decode(reply, index, request)
+        self.rounds.append(
+            {"level": request.level, "piece": request.piece, "seconds": time.monotonic() - started}
+        )
         log.info(
-            "statistics round of level %d: %d of %d sites answered in %.1f s",
+            "statistics round of level %d (%s): %d of %d sites answered in %.1f s",
             request.level,
+            request.linear_piece.name,
             sum(a is not None for a in answers),
             len(answers),
             time.monotonic() - started,
@@ -109,7 +111,7 @@ class FlowerSites:
         return answers
 
     def _decode(
-        self, reply: Message, index: int, request: StatisticsRequest, fan_in: int
+        self, reply: Message, index: int, request: StatisticsRequest
     ) -> SiteStatistics | None:
         name = self.names[index]
         if reply.has_error():
@@ -117,12 +119,22 @@ class FlowerSites:
             return None
         try:
             statistics = unpack_statistics(reply.content, source=name)
-            if statistics.level != request.level:
+            if (statistics.level, statistics.piece) != (request.level, request.piece):
                 raise ValueError(
-                    f"{name}: answered for level {statistics.level}, not {request.level}"
+                    f"{name}: answered for level {statistics.level} piece {statistics.piece}, "
+                    f"not {request.level} piece {request.piece}"
                 )
-            width = self.models[index].level_width(request.level)
-            statistics.check(fan_in, width, source=name)
+            piece, fused_level = request.linear_piece, request.fused.levels[request.level]
+            own_level = self.models[index].levels[request.level]
+            own_pieces = linear_pieces(own_level)
+            if own_pieces is None or len(own_pieces) <= request.piece:
+                raise ValueError(f"{name}: its model has no piece {request.piece} here")
+            statistics.check(
+                piece.fan_in(fused_level),
+                own_pieces[request.piece].width(own_level),
+                source=name,
+                stream_width=piece.width(fused_level) if piece.stream is not None else None,
+            )
         except ValueError as error:
             self._note(index, str(error).removeprefix(f"{name}: "))
             return None

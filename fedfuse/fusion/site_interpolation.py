@@ -43,11 +43,16 @@ from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_meth
 from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
 from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
-from fedfuse.fusion.inputs import check_levels, resolve_scores
+from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
-from fedfuse.fusion.site_statistics import STATISTICS_DTYPES, SiteStatistics, StatisticsRequest
+from fedfuse.fusion.site_statistics import (
+    STATISTICS_DTYPES,
+    SiteChannel,
+    SiteStatistics,
+    StatisticsRequest,
+)
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.affine import affine_view
+from fedfuse.models.pieces import LinearPiece, linear_pieces
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ class SiteInterpolation(FusionMethod):
     requires = frozenset({"sites"})
     same_spec = False
     retargetable = True
-    needs_affine_levels = True
+    needs_affine_levels = False  # check_architecture decides: linear pieces in every level
 
     def __init__(
         self,
@@ -125,23 +130,31 @@ class SiteInterpolation(FusionMethod):
         return self.requirements() | ({"scores"} if self.use_scores else set())
 
     def check_architecture(self, model: LeveledModel) -> None:
-        """The statistics rounds fit each level in closed form from the sites' Grams of its
-        design rows, so every level with neurons must be affine (parameter-free ops then one
-        Linear/Conv2d): not a ResNet's BatchNorm stem and residual blocks, nor a ViT's blocks."""
+        """The statistics rounds fit each linear piece in closed form from the sites' Grams of
+        its design rows (:func:`~fedfuse.models.pieces.linear_pieces`): every level with
+        neurons must be affine, or a ResNet stem or BasicBlock (not a ViT's blocks)."""
         for index in model.neuron_levels:
-            if affine_view(model.levels[index]) is None:
-                kind = "residual block" if model.is_residual(index) else "non-affine level"
+            if linear_pieces(model.levels[index]) is None:
                 raise ValueError(
                     f"{self.name} fits every level in closed form from the sites' statistics, "
-                    f"which needs affine levels (parameter-free ops then one Linear/Conv2d); "
-                    f"{model.spec.arch} level {model.level_name(index)} is a {kind} (normalisation"
-                    f" layers, several layers or a residual connection); use kf-gradient, "
-                    f"git-rebasin or otfusion for {model.spec.arch} models"
+                    "which needs affine levels (parameter-free ops then one Linear/Conv2d) or "
+                    f"ResNet blocks; {model.spec.arch} level {model.level_name(index)} is neither"
+                    " (attention is not linear in its weights); use kf-linear, kf-gradient or "
+                    f"otfusion for {model.spec.arch} models"
                 )
 
     # ------------------------------------------------------------------ checks
     def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
-        levels = check_levels(self.name, models)
+        levels = models[0].neuron_levels
+        for number, model in enumerate(models):
+            try:
+                self.check_architecture(model)
+            except ValueError as error:
+                raise ValueError(f"model {number}: {error}") from None
+            if model.neuron_levels != levels:
+                raise ValueError(
+                    f"{self.name}: model {number} has other neuron levels than model 0"
+                )
         reference = build_model(target, device="meta")
         if reference.neuron_levels != levels or target.arch != models[0].spec.arch:
             raise ValueError(
@@ -178,67 +191,107 @@ class SiteInterpolation(FusionMethod):
         details: dict[str, Any] = {"variant": f"{self.grouping}-sites", "levels": [], "rounds": []}
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
         for index in bar:
-            started = time.perf_counter()
-            request = StatisticsRequest(
-                index, fused, self.max_samples, self.statistics_dtype, self.seed, self.gram_rank
-            )
-            replies = sites.gather(request)
-            collected = time.perf_counter() - started
-            view = affine_view(fused.levels[index])
-            assert view is not None
-            statistics: dict[int, SiteStatistics] = {}
-            for model_index in active:
-                stats = replies[model_index]
-                if stats is None:
-                    continue
-                stats.check(
-                    view.fan_in,
-                    models[model_index].level_width(index),
-                    source=f"{self.name}: site {model_index}",
+            pieces = linear_pieces(fused.levels[index])
+            assert pieces is not None  # checked by check_architecture
+            for number, piece in enumerate(pieces):
+                active = self._fit_round(
+                    models, sites, fused, scores, index, number, piece, active, details
                 )
-                statistics[model_index] = stats
-            dropped = [m for m in active if m not in statistics]
-            if dropped:
-                log.warning(
-                    "%s: sites %s gave no statistics for level %s", self.name, dropped, index
-                )
-            active = [m for m in active if m in statistics]
-            if len(active) < (2 if self.grouping == "hungarian" else 1):
-                raise ValueError(
-                    f"{self.name}: statistics of level {fused.level_name(index)} came from "
-                    f"sites {active} only: " + "; ".join(sites.problems)
-                )
-            is_head = index == levels[-1]
-            weights, info = self._fit_level(
-                index, statistics, scores, is_head, fused.level_width(index)
-            )
-            view.set_weights(weights.float())
-            info.update(
-                level=fused.level_name(index),
-                sites=list(statistics),
-                dropped_sites=dropped,
-                collect_seconds=collected,
-                seconds=time.perf_counter() - started,
-            )
-            details["levels"].append(info)
-            details["rounds"].append(
-                {
-                    "level": fused.level_name(index),
-                    "upload_bytes": {str(m): s.payload_bytes() for m, s in statistics.items()},
-                }
-            )
         details["problems"] = list(sites.problems)
         return fused, details
+
+    def _fit_round(
+        self,
+        models: list[LeveledModel],
+        sites: SiteChannel,
+        fused: LeveledModel,
+        scores: list[dict[int, torch.Tensor]],
+        index: int,
+        number: int,
+        piece: LinearPiece,
+        active: list[int],
+        details: dict[str, Any],
+    ) -> list[int]:
+        """One statistics round: gather piece ``number`` of level ``index``, fit it and load
+        it into ``fused``; returns the sites still active."""
+        started = time.perf_counter()
+        request = StatisticsRequest(
+            index,
+            fused,
+            self.max_samples,
+            self.statistics_dtype,
+            self.seed,
+            self.gram_rank,
+            piece=number,
+        )
+        replies = sites.gather(request)
+        collected = time.perf_counter() - started
+        level = fused.levels[index]
+        stream_width = piece.width(level) if piece.stream is not None else None
+        statistics: dict[int, SiteStatistics] = {}
+        for model_index in active:
+            stats = replies[model_index]
+            if stats is None:
+                continue
+            own_level = models[model_index].levels[index]
+            own_pieces = linear_pieces(own_level)
+            assert own_pieces is not None
+            stats.check(
+                piece.fan_in(level),
+                own_pieces[number].width(own_level),
+                source=f"{self.name}: site {model_index}",
+                stream_width=stream_width,
+            )
+            statistics[model_index] = stats
+        dropped = [m for m in active if m not in statistics]
+        name = fused.level_name(index) + (f" {piece.name}" if piece.name != "affine" else "")
+        if dropped:
+            log.warning("%s: sites %s gave no statistics for %s", self.name, dropped, name)
+        active = [m for m in active if m in statistics]
+        if len(active) < (2 if self.grouping == "hungarian" else 1):
+            raise ValueError(
+                f"{self.name}: statistics of level {name} came from sites {active} only: "
+                + "; ".join(sites.problems)
+            )
+        is_head = index == fused.neuron_levels[-1]
+        weights = {
+            m: torch.ones(s.cross.shape[1]) if piece.inner else scores[m][index]
+            for m, s in statistics.items()
+        }
+        fitted, info = self._fit_level(
+            index, statistics, weights, is_head, piece.width(level), stream_width is not None
+        )
+        piece.load(level, fitted.float())
+        info.update(
+            level=fused.level_name(index),
+            sites=list(statistics),
+            dropped_sites=dropped,
+            collect_seconds=collected,
+            seconds=time.perf_counter() - started,
+        )
+        if piece.name != "affine":
+            info["piece"] = piece.name
+        details["levels"].append(info)
+        details["rounds"].append(
+            {
+                "level": name,
+                "upload_bytes": {str(m): s.payload_bytes() for m, s in statistics.items()},
+            }
+        )
+        return active
 
     def _fit_level(
         self,
         index: int,
         statistics: dict[int, SiteStatistics],
-        scores: list[dict[int, torch.Tensor]],
+        weights: dict[int, torch.Tensor],
         is_head: bool,
         width: int,
+        residual: bool = False,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The level's weights ``(fan_in, width)`` and what the fit found."""
+        """The piece's weights ``(fan_in, width)`` and what the fit found; ``weights``: each
+        site's neuron importances; ``residual``: the piece's outputs add to the level input
+        (the sites sent its stream statistics), whose channels number the groups."""
         order = list(statistics)
         gram = sum(statistics[m].full_gram() for m in order)
         rows = sum(statistics[m].rows for m in order)
@@ -246,11 +299,20 @@ class SiteInterpolation(FusionMethod):
             readings = {m: torch.eye(width, dtype=torch.float64) for m in order}
             info: dict[str, Any] = {}
         else:
-            readings, info = self._readings(gram, statistics, scores, index, width)
+            readings, info = self._readings(gram, statistics, weights, index, width)
+            if residual:
+                readings = _number_like_the_stream(statistics, readings)
         rhs = sum(statistics[m].cross.double() @ readings[m].T for m in order)
         norms = sum(
             ((readings[m] @ statistics[m].target_gram.double()) * readings[m]).sum(1) for m in order
         )
+        if residual:  # the targets are the readings minus the stream S they add to
+            rhs = rhs - sum(_stream(statistics[m], "stream_cross") for m in order)
+            norms = norms + sum(
+                _stream(statistics[m], "stream_norms")
+                - 2 * (readings[m] @ _stream(statistics[m], "stream_target")).diagonal()
+                for m in order
+            )
         grid = RIDGE_GRID if self.ridge is None else (self.ridge,)
         fit = ridge_fit(gram, rhs, norms, rows, grid=grid)
         info.update(
@@ -267,7 +329,7 @@ class SiteInterpolation(FusionMethod):
         self,
         gram: torch.Tensor,
         statistics: dict[int, SiteStatistics],
-        scores: list[dict[int, torch.Tensor]],
+        scores: dict[int, torch.Tensor],
         index: int,
         width: int,
     ) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
@@ -275,7 +337,7 @@ class SiteInterpolation(FusionMethod):
         order = list(statistics)
         factor = _cholesky_upper(gram)
         points = torch.cat([(factor @ statistics[m].translation.double()).T for m in order])
-        weights = torch.cat([scores[m][index].double().cpu() for m in order])
+        weights = torch.cat([scores[m].double().cpu() for m in order])
         sizes = [statistics[m].translation.shape[1] for m in order]
         owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(sizes))
         if self.grouping == "hungarian":
@@ -319,6 +381,28 @@ class SiteInterpolation(FusionMethod):
             "empty_clusters": int((mass == 0).sum()),
         }
         return readings, info
+
+
+def _stream(statistics: SiteStatistics, name: str) -> torch.Tensor:
+    tensor = getattr(statistics, name)
+    assert tensor is not None  # checked with the piece's stream width
+    return tensor.double()
+
+
+def _number_like_the_stream(
+    statistics: dict[int, SiteStatistics], readings: dict[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Renumber the fused neurons so that neuron ``j`` is the group nearest the level input's
+    channel ``j`` on all sites' rows (as :func:`~fedfuse.fusion.neuron_interpolation.grouping.
+    residual_labels` on the fusion set): ``cost[j, c] = sum_k ||s_j - Z_k r_c||^2``."""
+    cost = sum(
+        _stream(s, "stream_norms")[:, None]
+        - 2 * _stream(s, "stream_target").T @ readings[m].T
+        + ((readings[m] @ s.target_gram.double()) * readings[m]).sum(1)[None]
+        for m, s in statistics.items()
+    )
+    order = linear_assignment(cost)  # input channel j takes group order[j]
+    return {m: reading[order] for m, reading in readings.items()}
 
 
 def _cholesky_upper(gram: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 r"""What a site computes on its own data for one level of a fusion: sufficient statistics.
 
 Methods that fit the fused model on the sites' data (:mod:`fedfuse.fusion.site_interpolation`)
-build it bottom-up, one neuron level per round. In the round of level ``l`` the server sends
+build it bottom-up, one round per linear piece of each neuron level (one for an affine level,
+:func:`~fedfuse.models.pieces.linear_pieces`). In the round of level ``l`` the server sends
 the fused model (its levels below ``l`` are final) in a :class:`StatisticsRequest`; each site
 runs the fused prefix and its **own** model on its own training data and returns
 (:func:`site_statistics`), with ``X`` the fused level's design rows (its inputs with a trailing
@@ -38,7 +39,7 @@ import torch
 
 from fedfuse.fusion.blocks.least_squares import ridge_fit, symmetric_eigh
 from fedfuse.models import LeveledModel
-from fedfuse.models.affine import affine_view, output_rows
+from fedfuse.models.pieces import LinearPiece, linear_pieces
 from fedfuse.runtime import resolve_device
 
 #: wire precision of the statistics (sums are accumulated in float64 either way)
@@ -53,6 +54,8 @@ class StatisticsRequest:
 
     Attributes:
         level: index of the fused model's level to fit (a level with neurons).
+        piece: which of the level's linear pieces (:func:`~fedfuse.models.pieces.linear_pieces`):
+            0 for an affine level; a ResNet block's ``conv1`` then ``conv2``.
         fused: the fused model; its levels below ``level`` are final.
         max_samples: use at most this many of the site's samples (a seeded subset; None: all).
         dtype: wire precision of the returned matrices (``"float32"`` or ``"float64"``).
@@ -67,6 +70,7 @@ class StatisticsRequest:
     dtype: str = "float32"
     seed: int = 0
     gram_rank: int | None = None
+    piece: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in STATISTICS_DTYPES:
@@ -75,11 +79,25 @@ class StatisticsRequest:
             raise ValueError(f"gram_rank must be >= 1 or None, got {self.gram_rank}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be >= 1 or None, got {self.max_samples}")
-        if affine_view(self.fused.levels[self.level]) is None:
+        pieces = linear_pieces(self.fused.levels[self.level])
+        if pieces is None:
             raise ValueError(
-                f"level {self.fused.level_name(self.level)} of the fused model is not affine "
-                "(parameter-free ops then one Linear/Conv2d); site statistics need affine levels"
+                f"level {self.fused.level_name(self.level)} of the fused model is neither affine "
+                "(parameter-free ops then one Linear/Conv2d) nor a ResNet stem or BasicBlock; "
+                "site statistics need its linear pieces"
             )
+        if not 0 <= self.piece < len(pieces):
+            raise ValueError(
+                f"piece {self.piece} of level {self.fused.level_name(self.level)}, which has "
+                f"{len(pieces)}"
+            )
+
+    @property
+    def linear_piece(self) -> LinearPiece:
+        """The piece of the fused level whose statistics are requested."""
+        pieces = linear_pieces(self.fused.levels[self.level])
+        assert pieces is not None
+        return pieces[self.piece]
 
 
 @dataclass
@@ -87,10 +105,12 @@ class SiteStatistics:
     """One site's statistics of one level (see the module docstring).
 
     ``rows`` counts design rows (samples times output positions); ``translation_ridge`` is the
-    relative ridge of ``translation``. A compressed ``gram`` is a factor ``F`` (``fan_in x r``,
-    ``r < fan_in``) with ``gram ~ F F^T + gram_floor (I - P)``, ``P`` the projection onto
-    ``F``'s columns: the top ``r`` eigenpairs exactly, the rest as their mean eigenvalue
-    (:meth:`full_gram`).
+    relative ridge of ``translation``. For a piece whose outputs add to the level's input (an
+    identity shortcut, rows ``S``), three more: ``stream_cross = X^T S``, ``stream_target =
+    Z^T S`` and ``stream_norms``, the squared norms of ``S``'s columns. A compressed ``gram``
+    is a factor ``F`` (``fan_in x r``, ``r < fan_in``) with
+    ``gram ~ F F^T + gram_floor (I - P)``, ``P`` the projection onto ``F``'s columns: the top
+    ``r`` eigenpairs exactly, the rest as their mean eigenvalue (:meth:`full_gram`).
     """
 
     level: int
@@ -102,12 +122,18 @@ class SiteStatistics:
     translation_ridge: float = 0.0
     gram_floor: float = 0.0
     seconds: float = field(default=0.0, compare=False)
+    piece: int = 0
+    stream_cross: torch.Tensor | None = None
+    stream_target: torch.Tensor | None = None
+    stream_norms: torch.Tensor | None = None
 
     TENSORS = ("gram", "cross", "target_gram", "translation")
+    STREAM_TENSORS = ("stream_cross", "stream_target", "stream_norms")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The matrices by name (what travels, in their wire precision)."""
-        return {name: getattr(self, name) for name in self.TENSORS}
+        names = self.TENSORS + (self.STREAM_TENSORS if self.stream_cross is not None else ())
+        return {name: getattr(self, name) for name in names}
 
     @property
     def compressed(self) -> bool:
@@ -128,8 +154,11 @@ class SiteStatistics:
         """Bytes of the matrices as uploaded."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def check(self, fan_in: int, width: int, *, source: str) -> None:
-        """Raise ValueError naming ``source`` and the tensor unless shapes and values fit."""
+    def check(
+        self, fan_in: int, width: int, *, source: str, stream_width: int | None = None
+    ) -> None:
+        """Raise ValueError naming ``source`` and the tensor unless shapes and values fit;
+        ``stream_width``: the fused level's width when the piece adds to its input."""
         rank = self.gram.shape[1] if self.gram.dim() == 2 and self.compressed else fan_in
         expected = {
             "gram": (fan_in, rank if rank < fan_in else fan_in),
@@ -137,13 +166,20 @@ class SiteStatistics:
             "target_gram": (width, width),
             "translation": (fan_in, width),
         }
+        if stream_width is not None:
+            expected.update(
+                stream_cross=(fan_in, stream_width),
+                stream_target=(width, stream_width),
+                stream_norms=(stream_width,),
+            )
         for name, shape in expected.items():
             tensor = getattr(self, name)
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 raise ValueError(f"{source}: statistic {name!r} is not a float tensor")
             if tuple(tensor.shape) != shape:
                 raise ValueError(
-                    f"{source}: statistic {name!r} of level {self.level} has shape "
+                    f"{source}: statistic {name!r} of level {self.level} piece {self.piece} has "
+                    "shape "
                     f"{tuple(tensor.shape)}, expected {shape}"
                 )
             if not bool(torch.isfinite(tensor).all()):
@@ -198,50 +234,92 @@ def site_statistics(
     index = request.level
     run_on = resolve_device(device)
     fused, own = (_on(m, run_on) for m in (request.fused, model))
-    view = affine_view(fused.levels[index])
-    assert view is not None  # checked by the request
+    piece = request.linear_piece
+    fused_level, own_level = fused.levels[index], own.levels[index]
+    own_pieces = linear_pieces(own_level)
+    if own_pieces is None or len(own_pieces) <= request.piece:
+        raise ValueError(
+            f"level {index} of the site's model ({type(own_level).__name__}) has no piece "
+            f"{request.piece}; the architectures differ"
+        )
     if request.max_samples is not None and request.max_samples < len(data):
         generator = torch.Generator().manual_seed(request.seed)
         data = data[torch.randperm(len(data), generator=generator)[: request.max_samples]]
-    width = own.level_width(index)
-    gram = torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64, device=run_on)
-    cross = torch.zeros(view.fan_in, width, dtype=torch.float64, device=run_on)
-    target_gram = torch.zeros(width, width, dtype=torch.float64, device=run_on)
-    rows = 0
+    fan_in, width = piece.fan_in(fused_level), own_pieces[request.piece].width(own_level)
+    stream_width = piece.width(fused_level) if piece.stream is not None else 0
+    sums = _Sums(fan_in, width, stream_width, run_on)
     for start in range(0, len(data), batch_size):
         x = data[start : start + batch_size].to(run_on)
         fused_inputs = fused.forward_levels(x, 0, index)
-        outputs = own.forward_levels(x, 0, index + 1)
-        positions = max(1, len(output_rows(outputs[:1])))
-        step = max(1, _ROW_BUDGET // (positions * view.fan_in))
+        own_inputs = own.forward_levels(x, 0, index)
+        positions = max(1, len(piece.target(own_level, own_inputs[:1])))
+        step = max(1, _ROW_BUDGET // (positions * fan_in))
         for chunk in range(0, len(x), step):
-            design = view.design(fused_inputs[chunk : chunk + step]).float()
-            z = output_rows(outputs[chunk : chunk + step]).float()
+            part = slice(chunk, chunk + step)
+            design = piece.design(fused_level, fused_inputs[part]).float()
+            z = piece.target(own_level, own_inputs[part]).float()
             if len(design) != len(z):
                 raise ValueError(
                     f"level {index}: the fused level gives {len(design)} rows per batch, the "
                     f"site's model {len(z)}; the architectures differ"
                 )
-            gram += (design.T @ design).double()
-            cross += (design.T @ z).double()
-            target_gram += (z.T @ z).double()
-            rows += len(design)
-    fit = ridge_fit(gram, cross, target_gram.diagonal(), rows)
+            stream = None
+            if piece.stream is not None:
+                stream = piece.stream(fused_level, fused_inputs[part]).float()
+            sums.add(design, z, stream)
+    fit = ridge_fit(sums.gram, sums.cross, sums.target_gram.diagonal(), sums.rows)
     wire = STATISTICS_DTYPES[request.dtype]
-    sent, floor = gram, 0.0
-    if request.gram_rank is not None and request.gram_rank < view.fan_in:
-        sent, floor = compress_gram(gram, request.gram_rank)
+    sent, floor = sums.gram, 0.0
+    if request.gram_rank is not None and request.gram_rank < fan_in:
+        sent, floor = compress_gram(sums.gram, request.gram_rank)
+    streams = {
+        name: None if value is None else value.to(wire).cpu()
+        for name, value in (
+            ("stream_cross", sums.stream_cross),
+            ("stream_target", sums.stream_target),
+            ("stream_norms", sums.stream_norms),
+        )
+    }
     return SiteStatistics(
         level=index,
-        rows=rows,
+        rows=sums.rows,
         gram=sent.to(wire).cpu(),
         gram_floor=floor,
-        cross=cross.to(wire).cpu(),
-        target_gram=target_gram.to(wire).cpu(),
+        cross=sums.cross.to(wire).cpu(),
+        target_gram=sums.target_gram.to(wire).cpu(),
         translation=fit.weights.to(wire).cpu(),
         translation_ridge=fit.ridge,
         seconds=time.perf_counter() - started,
+        piece=request.piece,
+        **streams,
     )
+
+
+class _Sums:
+    """The float64 sums over a site's design rows ``X``, targets ``Z`` and stream ``S``."""
+
+    def __init__(self, fan_in: int, width: int, stream_width: int, device: torch.device) -> None:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.float64, device=device)
+
+        self.rows = 0
+        self.gram, self.cross = zeros(fan_in, fan_in), zeros(fan_in, width)
+        self.target_gram = zeros(width, width)
+        self.stream_cross = zeros(fan_in, stream_width) if stream_width else None
+        self.stream_target = zeros(width, stream_width) if stream_width else None
+        self.stream_norms = zeros(stream_width) if stream_width else None
+
+    def add(self, x: torch.Tensor, z: torch.Tensor, stream: torch.Tensor | None) -> None:
+        self.rows += len(x)
+        self.gram += (x.T @ x).double()
+        self.cross += (x.T @ z).double()
+        self.target_gram += (z.T @ z).double()
+        if stream is not None:
+            assert self.stream_cross is not None and self.stream_target is not None
+            assert self.stream_norms is not None
+            self.stream_cross += (x.T @ stream).double()
+            self.stream_target += (z.T @ stream).double()
+            self.stream_norms += (stream.double() ** 2).sum(0)
 
 
 def compress_gram(gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:

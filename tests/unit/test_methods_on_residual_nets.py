@@ -1,5 +1,5 @@
-"""RegMean, KD, the linear probe and the ensemble on ResNet and ViT; FedMA and the statistics-round
-methods refuse them before any site trains."""
+"""RegMean, KD, the linear probe and the ensemble on ResNet and ViT; FedMA refuses them and the
+statistics-round methods ViTs before any site trains."""
 
 from __future__ import annotations
 
@@ -160,17 +160,22 @@ def test_regmean_rejects_grams_of_the_wrong_packing():
 
 # ------------------------------------------------------------------ refusals before training
 @pytest.mark.parametrize("arch", sorted(SPECS))
-@pytest.mark.parametrize("method", ["fedma", "kf-sites", "hf-sites"])
-def test_methods_needing_affine_levels_refuse_residual_nets(method, arch):
+def test_fedma_refuses_residual_nets(arch):
     with pytest.raises(ValueError) as caught:
-        make_fusion_method(method).check_run(2, SPECS[arch])
+        make_fusion_method("fedma").check_run(2, SPECS[arch])
     message = str(caught.value)
-    assert message.startswith(f"{method}: cannot fuse {arch} models")
-    assert "kf-gradient, git-rebasin or otfusion" in message
-    if method == "fedma":
-        assert "residual blocks" in message
-    else:
-        assert "affine levels" in message
+    assert message.startswith(f"fedma: cannot fuse {arch} models")
+    assert "kf-gradient, git-rebasin or otfusion" in message and "residual blocks" in message
+
+
+@pytest.mark.parametrize("method", ["kf-sites", "hf-sites"])
+def test_site_statistics_methods_take_resnets_and_refuse_vits_naming_the_level(method):
+    make_fusion_method(method).check_run(2, SPECS["resnet"])
+    with pytest.raises(ValueError) as caught:
+        make_fusion_method(method).check_run(2, SPECS["vit"])
+    message = str(caught.value)
+    assert message.startswith(f"{method}: cannot fuse vit models")
+    assert "level 0:PatchEmbedding" in message and "kf-linear" in message
 
 
 # ------------------------------------------------------------------ KD, probe, ensemble

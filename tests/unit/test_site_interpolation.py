@@ -13,8 +13,9 @@ from fedfuse.fusion import HFSites, KFSites, LocalSites, StatisticsRequest, site
 from fedfuse.fusion.blocks.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.inputs import FusionInputs
 from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
-from fedfuse.models import build_model, mlp_spec, vgg11_spec
+from fedfuse.models import build_model, make_spec, mlp_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
+from fedfuse.models.symmetry import permute_model, random_permutations
 from tests.helpers import randn
 
 SPEC = mlp_spec((1, 3, 3), 3, (7, 6))
@@ -183,7 +184,7 @@ def test_a_silent_site_is_dropped_by_kf_and_named_by_hf():
 def test_site_statistics_validate_themselves():
     stats = SiteStatistics(0, 5, torch.eye(3), torch.ones(3, 2), torch.eye(2), torch.ones(3, 2))
     stats.check(3, 2, source="site 4")
-    with pytest.raises(ValueError, match="site 4: statistic 'cross' of level 0 has shape"):
+    with pytest.raises(ValueError, match="site 4: statistic 'cross' of level 0 piece 0 has shape"):
         stats.check(3, 3, source="site 4")
     stats.target_gram[1, 1] = float("inf")
     with pytest.raises(ValueError, match="site 4: statistic 'target_gram' has NaN/Inf"):
@@ -224,3 +225,70 @@ def test_compressed_grams_upload_fewer_bytes():
     # every level is wider than 4 inputs: each Gram goes as a 4-column factor
     assert all(s < w for s, w in zip(sent, whole, strict=True))
     assert sent[0] == 4 * (10 * 4 + 2 * 10 * 7 + 7 * 7)
+
+
+# ------------------------------------------------------------------ ResNet blocks, piece by piece
+RESNET = make_spec("resnet", (1, 12, 12), 4, depth=10, width_multiplier=1 / 16)
+
+
+def _resnet(seed: int):
+    """A ResNet with non-trivial BatchNorm statistics (train-mode passes on shifted data)."""
+    model = build_model(RESNET, seed=seed).train()
+    with torch.no_grad():
+        for step in range(3):
+            model(randn(seed * 10 + step, 16, *RESNET.input_shape) * 2 + 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("level", "piece"), [(0, 0), (1, 0), (1, 1), (2, 1)])
+def test_block_statistics_of_two_sites_add_up_to_those_of_the_pooled_data(level, piece):
+    """Stem conv+BN, a block's conv1+BN, conv2+BN with the identity stream, conv2 with the
+    projection shortcut: every statistic of the union is the sum over the sites."""
+    model, fused = _resnet(0), _resnet(1)
+    request = StatisticsRequest(level, fused, dtype="float64", piece=piece)
+    a, b = randn(1, 9, *RESNET.input_shape), randn(2, 6, *RESNET.input_shape)
+    parts = [site_statistics(model, d, request, device="cpu") for d in (a, b)]
+    pooled = site_statistics(model, torch.cat([a, b]), request, device="cpu")
+    assert pooled.rows == parts[0].rows + parts[1].rows
+    assert (pooled.stream_cross is not None) == ((level, piece) == (1, 1))
+    for name in pooled.tensors():
+        if name == "translation":
+            continue  # each site's own fit: not a sum
+        total = getattr(parts[0], name) + getattr(parts[1], name)
+        # float32 products per batch, float64 sums
+        torch.testing.assert_close(getattr(pooled, name), total, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [HFSites, KFSites])
+def test_a_resnet_fused_on_site_statistics_with_its_permuted_copy_keeps_its_function(method):
+    model = _resnet(0)
+    copy_ = permute_model(model, random_permutations(model, torch.Generator().manual_seed(3)))
+    sites = LocalSites(
+        [model, copy_],
+        [randn(5, 48, *RESNET.input_shape), randn(6, 40, *RESNET.input_shape)],
+        device="cpu",
+    )
+    result = method(use_scores=False).fuse([model, copy_], FusionInputs(sites=sites))
+    fresh = randn(7, 32, *RESNET.input_shape)
+    expected = model(fresh)
+    # every piece is fitted exactly on the pooled rows: rounding and the GCV ridge remain
+    assert (result.model.eval()(fresh) - expected).abs().max() < 1e-3 * expected.abs().max()
+    pieces = [level.get("piece") for level in result.details["levels"]]
+    assert pieces[:5] == ["conv", "conv1", "conv2", "conv1", "conv2+shortcut"]
+    assert len(result.details["rounds"]) == len(pieces) == 10 and pieces[-1] is None
+
+
+def test_a_broken_stream_statistic_of_a_block_is_named():
+    models = [_resnet(s) for s in (0, 1)]
+    data = [randn(8 + k, 24, *RESNET.input_shape) for k in range(2)]
+
+    class BrokenStream(LocalSites):
+        def gather(self, request):
+            replies = super().gather(request)
+            if replies[1].stream_norms is not None:
+                replies[1].stream_norms = replies[1].stream_norms[:-1]
+            return replies
+
+    sites = BrokenStream(models, data, device="cpu")
+    with pytest.raises(ValueError, match="site 1: statistic 'stream_norms' of level 1 piece 1"):
+        KFSites(use_scores=False).fuse(models, FusionInputs(sites=sites))

@@ -38,15 +38,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.fusion.blocks.least_squares import accumulate_normal_equations, ridge_fit
 from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
-from fedfuse.fusion.neuron_interpolation.sublayers import chunks, group_targets, run_chunks
+from fedfuse.fusion.neuron_interpolation.sublayers import (
+    chunks,
+    fit_rows,
+    group_targets,
+    run_chunks,
+)
 from fedfuse.fusion.neuron_interpolation.transformer import (
     TRANSFORMER_LEVELS,
     fit_transformer_level,
 )
-from fedfuse.models.affine import AffineLevel, output_rows
 from fedfuse.models.leveled import LeveledModel
+from fedfuse.models.pieces import LinearPiece, linear_pieces
 from fedfuse.models.resnet import BasicBlock, Stem
 
 #: the levels fitted here besides affine ones
@@ -107,97 +111,50 @@ def fit_block_linear(
     parts = chunks(len(x), batch_size)
     # the base models stay where they are, unchanged: their level runs as a copy beside x
     base_levels = [copy.deepcopy(b).to(x.device).eval() for b in base_levels]
-    if isinstance(level, Stem):
-        base_u = [
-            run_chunks(lambda t, s=s: s.bn(s.conv(t)), i, parts)
-            for s, i in zip(base_levels, base_inputs, strict=True)
-        ]
-        labels, targets = group_targets(base_u, weights, k, labels, group)
-        ridge = _fit_convs([level.conv], [x], targets, level.bn, parts)
-        return {"sublayers": {"conv": ridge}, "labels": labels}
-    if not isinstance(level, BasicBlock):
-        raise TypeError(f"fit_block_linear fits a ResNet Stem or BasicBlock, not {type(level)}")
+    pieces = linear_pieces(level)
+    if pieces is None or not isinstance(level, (Stem, BasicBlock)):
+        raise TypeError(f"fit_block_linear fits ResNet and ViT blocks, not {type(level).__name__}")
     details: dict[str, Any] = {}
-    base_u = [
-        run_chunks(lambda t, b=b: b.bn1(b.conv1(t)), i, parts)
-        for b, i in zip(base_levels, base_inputs, strict=True)
-    ]
-    inner = level.conv1.out_channels
-    _, inner_targets = group_targets(
-        base_u,
-        torch.ones(sum(u.shape[1] for u in base_u), device=weights.device),
-        inner,
-        None,
-        group,
-    )
-    del base_u
-    details["conv1"] = _fit_convs([level.conv1], [x], inner_targets, level.bn1, parts)
-    del inner_targets
-    h = run_chunks(lambda t: level.relu1(level.bn1(level.conv1(t))), x, parts)
-    base_z = [
-        run_chunks(lambda t, b=b: _pre_output(b, t), i, parts)
-        for b, i in zip(base_levels, base_inputs, strict=True)
-    ]
-    labels, targets = group_targets(base_z, weights, k, labels, group)
-    del base_z
-    if level.identity_shortcut:
-        targets = targets - output_rows(x).to(targets.dtype)
-        details["conv2"] = _fit_convs([level.conv2], [h], targets, level.bn2, parts)
-    else:
-        conv, norm = level.shortcut[0], level.shortcut[1]
-        details["conv2+shortcut"] = _fit_convs(
-            [level.conv2, conv], [h, x], targets, level.bn2, parts
+    for piece in pieces:
+        ridge, fitted = _fit_piece(
+            piece, level, x, base_levels, base_inputs, weights, k, labels, group, parts
         )
-        _set_batchnorm(norm, torch.zeros(norm.num_features, device=norm.weight.device))
+        labels = labels if piece.inner else fitted
+        details[piece.name] = ridge
     return {"sublayers": details, "labels": labels}
 
 
-def _pre_output(block: BasicBlock, x: torch.Tensor) -> torch.Tensor:
-    """A block's pre-activation output ``BN_2(conv_2(h)) + s(x)`` (before its last ReLU)."""
-    h = block.relu1(block.bn1(block.conv1(x)))
-    return block.bn2(block.conv2(h)) + block.shortcut(x)
-
-
-def _design(convs: list[nn.Conv2d], inputs: list[torch.Tensor], chunk: slice) -> torch.Tensor:
-    """Joint design rows of ``convs`` on their ``inputs`` for one chunk, one trailing 1."""
-    parts = [
-        AffineLevel([], conv).design(x[chunk])[:, :-1]
-        for conv, x in zip(convs, inputs, strict=True)
+def _fit_piece(
+    piece: LinearPiece,
+    level: nn.Module,
+    x: torch.Tensor,
+    base_levels: list[nn.Module],
+    base_inputs: list[torch.Tensor],
+    weights: torch.Tensor,
+    k: int,
+    labels: torch.Tensor | None,
+    group: GroupFn,
+    parts: list[slice],
+) -> tuple[float, torch.Tensor]:
+    """Fit one piece of the fused ``level`` to its groups' centres (inner neurons with equal
+    weights, output neurons by ``weights`` and ``labels``); returns the ridge and the labels."""
+    base_targets = [
+        run_chunks(lambda t, b=b: piece.target(b, t), i, parts)
+        for b, i in zip(base_levels, base_inputs, strict=True)
     ]
-    rows = torch.cat(parts, 1)
-    return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
-
-
-def _fit_convs(
-    convs: list[nn.Conv2d],
-    inputs: list[torch.Tensor],
-    targets: torch.Tensor,
-    norm: nn.BatchNorm2d,
-    chunks: list[slice],
-) -> float:
-    """Fit ``convs`` jointly (their outputs summed, one bias held by ``norm``) to the target
-    rows; the ridge is chosen by GCV. Returns the ridge."""
-    positions = len(targets) // len(inputs[0])
-    row_chunks = [slice(c.start * positions, (c.stop or 0) * positions) for c in chunks]
-    gram, cross, norms = accumulate_normal_equations(
-        (_design(convs, inputs, c) for c in chunks),
-        (targets[r] for r in row_chunks),
-        dtype=torch.float32,
+    if piece.inner:
+        weights = torch.ones(sum(t.shape[1] for t in base_targets), device=weights.device)
+        k, labels = piece.width(level), None
+    labels, targets = group_targets(base_targets, weights, k, labels, group)
+    del base_targets
+    if piece.stream is not None:
+        stream = piece.stream
+        targets = targets - run_chunks(lambda t: stream(level, t), x, parts)
+    positions = len(targets) // len(x)
+    fit, _, _ = fit_rows(
+        lambda c: piece.design(level, x[c]),
+        lambda c: targets[c.start * positions : c.stop * positions],
+        parts,
     )
-    fit = ridge_fit(gram, cross, norms, len(targets))
-    w = fit.weights.float()
-    start = 0
-    for conv in convs:
-        size = conv.weight[0].numel()
-        conv.weight.copy_(w[start : start + size].T.reshape(conv.weight.shape))
-        start += size
-    _set_batchnorm(norm, w[-1])
-    return fit.ridge
-
-
-def _set_batchnorm(norm: nn.BatchNorm2d, bias: torch.Tensor) -> None:
-    """``norm`` as the map ``y + bias`` in eval mode (mean 0, variance ``1 - eps``, scale 1)."""
-    norm.running_mean.zero_()
-    norm.running_var.fill_(1.0 - norm.eps)
-    norm.weight.fill_(1.0)
-    norm.bias.copy_(bias.to(norm.bias.dtype))
+    piece.load(level, fit.weights.float())
+    return fit.ridge, labels
