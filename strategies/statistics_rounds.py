@@ -24,9 +24,9 @@ from fedfuse.clients.records import (
     pack_statistics_request,
     unpack_statistics,
 )
+from fedfuse.fusion.pieces import linear_pieces
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
-from fedfuse.models.pieces import linear_pieces
 
 from .messaging import replies_by_site
 from .replies import short_reason

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
@@ -45,6 +46,7 @@ from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
 from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
+from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
 from fedfuse.fusion.site_statistics import (
     STATISTICS_DTYPES,
     SiteChannel,
@@ -52,7 +54,6 @@ from fedfuse.fusion.site_statistics import (
     StatisticsRequest,
 )
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.pieces import LinearPiece, linear_pieces
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +132,15 @@ class SiteInterpolation(FusionMethod):
 
     def check_architecture(self, model: LeveledModel) -> None:
         """The statistics rounds fit each linear piece in closed form from the sites' Grams of
-        its design rows (:func:`~fedfuse.models.pieces.linear_pieces`): every level with
-        neurons must be affine, or a ResNet stem or BasicBlock (not a ViT's blocks)."""
+        its design rows (:func:`~fedfuse.fusion.pieces.linear_pieces`): every level with
+        neurons must be affine, a ResNet stem or BasicBlock, or a ViT embedding or block."""
         for index in model.neuron_levels:
             if linear_pieces(model.levels[index]) is None:
                 raise ValueError(
                     f"{self.name} fits every level in closed form from the sites' statistics, "
-                    "which needs affine levels (parameter-free ops then one Linear/Conv2d) or "
-                    f"ResNet blocks; {model.spec.arch} level {model.level_name(index)} is neither"
-                    " (attention is not linear in its weights); use kf-linear, kf-gradient or "
-                    f"otfusion for {model.spec.arch} models"
+                    "which needs affine levels (parameter-free ops then one Linear/Conv2d), "
+                    f"ResNet blocks or ViT blocks; {model.spec.arch} level "
+                    f"{model.level_name(index)} is none of these; use kf-gradient for it"
                 )
 
     # ------------------------------------------------------------------ checks
@@ -190,12 +190,13 @@ class SiteInterpolation(FusionMethod):
         active = list(range(len(models)))
         details: dict[str, Any] = {"variant": f"{self.grouping}-sites", "levels": [], "rounds": []}
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
+        stream: dict[int, torch.Tensor] = {}  # each site's reading of the residual stream
         for index in bar:
             pieces = linear_pieces(fused.levels[index])
             assert pieces is not None  # checked by check_architecture
             for number, piece in enumerate(pieces):
                 active = self._fit_round(
-                    models, sites, fused, scores, index, number, piece, active, details
+                    models, sites, fused, scores, index, number, piece, active, details, stream
                 )
         details["problems"] = list(sites.problems)
         return fused, details
@@ -211,9 +212,11 @@ class SiteInterpolation(FusionMethod):
         piece: LinearPiece,
         active: list[int],
         details: dict[str, Any],
+        stream: dict[int, torch.Tensor],
     ) -> list[int]:
         """One statistics round: gather piece ``number`` of level ``index``, fit it and load
-        it into ``fused``; returns the sites still active."""
+        it into ``fused``; returns the sites still active. ``stream`` holds each site's reading
+        of the residual stream, which a piece adding to it keeps (and others replace)."""
         started = time.perf_counter()
         request = StatisticsRequest(
             index,
@@ -258,10 +261,22 @@ class SiteInterpolation(FusionMethod):
             m: torch.ones(s.cross.shape[1]) if piece.inner else scores[m][index]
             for m, s in statistics.items()
         }
-        fitted, info = self._fit_level(
-            index, statistics, weights, is_head, piece.width(level), stream_width is not None
-        )
-        piece.load(level, fitted.float())
+        if piece.kind == "logits":
+            fitted, gram, info = self._fit_logits(index, statistics, models, level)
+        else:
+            fitted, gram, info = self._fit_level(
+                index,
+                statistics,
+                weights,
+                is_head,
+                piece.width(level),
+                stream if stream_width is not None else None,
+            )
+            if not (piece.inner or is_head or stream_width is not None):
+                stream.clear()
+                stream.update(info.pop("readings"))
+            info.pop("readings", None)
+        piece.load(level, fitted, gram)
         info.update(
             level=fused.level_name(index),
             sites=list(statistics),
@@ -287,21 +302,30 @@ class SiteInterpolation(FusionMethod):
         weights: dict[int, torch.Tensor],
         is_head: bool,
         width: int,
-        residual: bool = False,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The piece's weights ``(fan_in, width)`` and what the fit found; ``weights``: each
-        site's neuron importances; ``residual``: the piece's outputs add to the level input
-        (the sites sent its stream statistics), whose channels number the groups."""
+        stream: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The piece's weights ``(fan_in, width)``, its pooled Gram and what the fit found;
+        ``weights``: each
+        site's neuron importances; ``stream``: given when the piece's outputs add to the level
+        input (the sites sent its stream statistics): each site's reading of the stream, kept
+        as this piece's (an identity shortcut adds model ``k``'s channel ``j`` to its own
+        output ``j``); when it lacks a site, the groups are numbered like the stream's
+        channels. ``info["readings"]`` holds the readings used."""
         order = list(statistics)
         gram = sum(statistics[m].full_gram() for m in order)
         rows = sum(statistics[m].rows for m in order)
         if is_head:
             readings = {m: torch.eye(width, dtype=torch.float64) for m in order}
             info: dict[str, Any] = {}
+        elif stream is not None and all(
+            m in stream and stream[m].shape == (width, statistics[m].cross.shape[1]) for m in order
+        ):
+            readings, info = {m: stream[m] for m in order}, {"groups": "the stream's"}
         else:
             readings, info = self._readings(gram, statistics, weights, index, width)
-            if residual:
+            if stream is not None:
                 readings = _number_like_the_stream(statistics, readings)
+        residual = stream is not None
         rhs = sum(statistics[m].cross.double() @ readings[m].T for m in order)
         norms = sum(
             ((readings[m] @ statistics[m].target_gram.double()) * readings[m]).sum(1) for m in order
@@ -323,7 +347,60 @@ class SiteInterpolation(FusionMethod):
             fan_in=gram.shape[0],
             translation_ridges={str(m): statistics[m].translation_ridge for m in order},
         )
-        return fit.weights, info
+        info["readings"] = readings
+        return fit.weights, gram, info
+
+    def _fit_logits(
+        self,
+        index: int,
+        statistics: dict[int, SiteStatistics],
+        models: list[LeveledModel],
+        level: nn.Module,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """An attention's queries and keys from each site's translation of its own queries and
+        keys (:func:`~fedfuse.fusion.pieces.attention_logits`), the pooled Gram measuring the
+        logits; returns the weights, the Gram and what the fit found."""
+        order = list(statistics)
+        gram = sum(statistics[m].full_gram() for m in order)
+        heads = level.attention.heads
+        weights, labels = attention_logits(
+            [statistics[m].translation.double() for m in order],
+            [models[m].levels[index].attention.heads for m in order],
+            gram,
+            heads,
+            level.attention.q.out_features // heads,
+            lambda points, w, sizes, k: self._group(points, w, sizes, k, index),
+        )
+        info = {
+            "heads": labels.tolist(),
+            "rows": sum(statistics[m].rows for m in order),
+            "translation_ridges": {str(m): statistics[m].translation_ridge for m in order},
+        }
+        return weights, gram, info
+
+    def _group(
+        self, points: torch.Tensor, weights: torch.Tensor, sizes: list[int], k: int, index: int
+    ) -> torch.Tensor:
+        """The group of each point (rows, model by model, ``sizes`` each): Hungarian pairs of
+        two models, or importance-weighted k-means (groups in model 0's order when ``k`` is
+        its size)."""
+        if self.grouping == "hungarian":
+            return pair_labels(points[: sizes[0]], points[sizes[0] :], *weights.split(sizes))
+        result = weighted_kmeans(
+            points.float(),
+            weights.float(),
+            k,
+            n_init=self.n_init,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            seed=self.seed + index,
+        )
+        labels = result.labels
+        if k == sizes[0]:  # fused neurons in model order (identical models: identity)
+            centers, _ = weighted_centers(points, weights, labels, k)
+            order_of = linear_assignment(torch.cdist(centers, points[: sizes[0]]).pow(2))
+            labels = order_of[labels]
+        return labels
 
     def _readings(
         self,
@@ -340,23 +417,7 @@ class SiteInterpolation(FusionMethod):
         weights = torch.cat([scores[m].double().cpu() for m in order])
         sizes = [statistics[m].translation.shape[1] for m in order]
         owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(sizes))
-        if self.grouping == "hungarian":
-            labels = pair_labels(points[: sizes[0]], points[sizes[0] :], *weights.split(sizes))
-        else:
-            result = weighted_kmeans(
-                points.float(),
-                weights.float(),
-                width,
-                n_init=self.n_init,
-                max_iter=self.max_iter,
-                tol=self.tol,
-                seed=self.seed + index,
-            )
-            labels = result.labels
-            if width == sizes[0]:  # fused neurons in model order (identical models: identity)
-                centers, _ = weighted_centers(points, weights, labels, width)
-                order_of = linear_assignment(torch.cdist(centers, points[: sizes[0]]).pow(2))
-                labels = order_of[labels]
+        labels = self._group(points, weights, sizes, width, index)
         centers, mass = weighted_centers(points, weights, labels, width, dtype=torch.float64)
         readings: dict[int, torch.Tensor] = {}
         empty_groups = 0

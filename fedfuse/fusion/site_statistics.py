@@ -2,7 +2,7 @@ r"""What a site computes on its own data for one level of a fusion: sufficient s
 
 Methods that fit the fused model on the sites' data (:mod:`fedfuse.fusion.site_interpolation`)
 build it bottom-up, one round per linear piece of each neuron level (one for an affine level,
-:func:`~fedfuse.models.pieces.linear_pieces`). In the round of level ``l`` the server sends
+:func:`~fedfuse.fusion.pieces.linear_pieces`). In the round of level ``l`` the server sends
 the fused model (its levels below ``l`` are final) in a :class:`StatisticsRequest`; each site
 runs the fused prefix and its **own** model on its own training data and returns
 (:func:`site_statistics`), with ``X`` the fused level's design rows (its inputs with a trailing
@@ -38,8 +38,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from fedfuse.fusion.blocks.least_squares import ridge_fit, symmetric_eigh
+from fedfuse.fusion.pieces import LinearPiece, linear_pieces
 from fedfuse.models import LeveledModel
-from fedfuse.models.pieces import LinearPiece, linear_pieces
 from fedfuse.runtime import resolve_device
 
 #: wire precision of the statistics (sums are accumulated in float64 either way)
@@ -54,7 +54,7 @@ class StatisticsRequest:
 
     Attributes:
         level: index of the fused model's level to fit (a level with neurons).
-        piece: which of the level's linear pieces (:func:`~fedfuse.models.pieces.linear_pieces`):
+        piece: which of the level's linear pieces (:func:`~fedfuse.fusion.pieces.linear_pieces`):
             0 for an affine level; a ResNet block's ``conv1`` then ``conv2``.
         fused: the fused model; its levels below ``level`` are final.
         max_samples: use at most this many of the site's samples (a seeded subset; None: all).

@@ -1,5 +1,5 @@
-"""RegMean, KD, the linear probe and the ensemble on ResNet and ViT; FedMA refuses them and the
-statistics-round methods ViTs before any site trains."""
+"""RegMean, KD, the linear probe and the ensemble on ResNet and ViT; FedMA refuses them before any
+site trains."""
 
 from __future__ import annotations
 
@@ -169,13 +169,14 @@ def test_fedma_refuses_residual_nets(arch):
 
 
 @pytest.mark.parametrize("method", ["kf-sites", "hf-sites"])
-def test_site_statistics_methods_take_resnets_and_refuse_vits_naming_the_level(method):
+def test_site_statistics_methods_take_resnets_and_vits_and_name_a_level_they_cannot_fit(method):
     make_fusion_method(method).check_run(2, SPECS["resnet"])
-    with pytest.raises(ValueError) as caught:
-        make_fusion_method(method).check_run(2, SPECS["vit"])
-    message = str(caught.value)
-    assert message.startswith(f"{method}: cannot fuse vit models")
-    assert "level 0:PatchEmbedding" in message and "kf-linear" in message
+    make_fusion_method(method).check_run(2, SPECS["vit"])
+    spec = make_spec("mlp", (4,), 3, widths=[8])
+    two_layers = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    model = LeveledModel([two_layers, torch.nn.Linear(8, 3)], spec)
+    with pytest.raises(ValueError, match=r"level 0:Linear\+ReLU\+Linear is none of these"):
+        make_fusion_method(method).check_architecture(model)
 
 
 # ------------------------------------------------------------------ KD, probe, ensemble

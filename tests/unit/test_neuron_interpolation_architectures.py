@@ -121,8 +121,8 @@ SUBLAYERS = {
     "resnet": [["conv"], ["conv1", "conv2"], ["conv1", "conv2+shortcut"]],
     "vit": [
         ["projection+position"],
-        ["q+k", "v+out", "fc1", "fc2"],
-        ["q+k", "v+out", "fc1", "fc2"],
+        ["q+k", "v+out", "out", "fc1", "fc2"],
+        ["q+k", "v+out", "out", "fc1", "fc2"],
     ],
 }
 

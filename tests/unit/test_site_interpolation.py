@@ -292,3 +292,46 @@ def test_a_broken_stream_statistic_of_a_block_is_named():
     sites = BrokenStream(models, data, device="cpu")
     with pytest.raises(ValueError, match="site 1: statistic 'stream_norms' of level 1 piece 1"):
         KFSites(use_scores=False).fuse(models, FusionInputs(sites=sites))
+
+
+# ------------------------------------------------------------------ ViT blocks, piece by piece
+VIT = make_spec("vit", (1, 12, 12), 4, patch=4, depth=2, heads=2, hidden=8, mlp=12)
+
+
+@pytest.mark.parametrize(
+    ("level", "piece"), [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)], ids=str
+)
+def test_vit_statistics_of_two_sites_add_up_to_those_of_the_pooled_data(level, piece):
+    """The embedding with its positions, queries and keys, values (with the stream), output,
+    MLP: every statistic of the union is the sum over the sites."""
+    model, fused = build_model(VIT, seed=0).eval(), build_model(VIT, seed=1).eval()
+    request = StatisticsRequest(level, fused, dtype="float64", piece=piece)
+    a, b = randn(1, 7, *VIT.input_shape), randn(2, 5, *VIT.input_shape)
+    parts = [site_statistics(model, d, request, device="cpu") for d in (a, b)]
+    pooled = site_statistics(model, torch.cat([a, b]), request, device="cpu")
+    assert pooled.rows == parts[0].rows + parts[1].rows == 12 * 10  # 9 patches + class token
+    assert (pooled.stream_cross is not None) == (piece in (1, 2, 4) and level == 1)
+    for name in pooled.tensors():
+        if name != "translation":
+            total = getattr(parts[0], name) + getattr(parts[1], name)
+            torch.testing.assert_close(getattr(pooled, name), total, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [HFSites, KFSites])
+def test_a_vit_fused_on_site_statistics_with_its_permuted_copy_keeps_its_function(method):
+    model = build_model(VIT, seed=0).eval()
+    copy_ = permute_model(model, random_permutations(model, torch.Generator().manual_seed(3)))
+    data = [randn(5, 48, *VIT.input_shape), randn(6, 40, *VIT.input_shape)]
+    sites = LocalSites([model, copy_], data, device="cpu")
+    result = method(use_scores=False).fuse([model, copy_], FusionInputs(sites=sites))
+    fresh = randn(7, 32, *VIT.input_shape)
+    expected = model(fresh)
+    assert (result.model.eval()(fresh) - expected).abs().max() < 1e-3 * expected.abs().max()
+    pieces = [level.get("piece") for level in result.details["levels"]]
+    assert pieces[:6] == ["projection+position", "q+k", "v+out", "out", "fc1", "fc2"]
+    assert len(result.details["rounds"]) == 12 and result.details["levels"][1]["heads"] == [
+        0,
+        1,
+        0,
+        1,
+    ]

@@ -1,32 +1,14 @@
-r"""The Linear fit inside a ResNet level: the stem and each BasicBlock, sub-layer by sub-layer.
+r"""The Linear fit inside a block level, piece by piece: a ResNet stem or BasicBlock, a ViT
+patch embedding or encoder block (the pieces and their derivation: :mod:`fedfuse.fusion.pieces`).
 
-A ResNet level is not one affine map, but each convolution in it is, once the BatchNorm after it
-is read in eval mode (``BN(y) = a * y + b`` per channel, folded into the conv's weights and one
-bias). Writing the fused level's input ``x`` and the base models' own inputs ``x^{(m)}``:
-
-* **Stem** ``pool(relu(u))`` with ``u = BN(conv(x))``: the base pre-activations ``u^{(m)}`` are
-  grouped into the fused width, and the fused conv (with the BN as its bias) is the ridge
-  least-squares fit of the groups' weighted centres ``T_u`` from the patches of ``x``.
-* **BasicBlock** ``relu(z)`` with ``u = BN_1(conv_1(x))``, ``h = relu(u)`` and
-  ``z = BN_2(conv_2(h)) + s(x)``:
-
-  1. the inner neurons: ``u^{(m)}`` grouped into the fused inner width; ``conv_1`` fitted to the
-     centres from ``x``'s patches, exactly as the stem; then the fused ``h = relu(u)``;
-  2. the output neurons: ``z^{(m)}`` grouped (for an identity shortcut, numbered like the fused
-     input's channels they add to, so the residual stream stays aligned); with an identity
-     shortcut ``conv_2`` is fitted to ``T_z - x`` from ``h``'s patches; with a projection
-     shortcut ``s(x) = BN_s(conv_s(x))``, ``conv_2`` and ``conv_s`` are one least-squares problem
-     on the joint design ``[patches(h), x strided, 1]``.
-
-Each fit is from the fused model's own inputs, so the errors of the sub-layers below are
-accounted for, as between levels (paper Sec. 4); each ridge is chosen by generalised
+Each piece is fitted from the fused model's own inputs, so the errors of the pieces below are
+accounted for, as between levels (paper Sec. 4), each ridge chosen by generalised
 cross-validation on the fusion set (:func:`~fedfuse.fusion.blocks.least_squares.ridge_fit`), as
-for the affine levels. The targets are pre-activations: ReLU is monotone, and fitting ``u``
-keeps the fit linear (the grouping of output neurons reads the same pre-activations). A fitted
-BatchNorm holds the affine map it stands for (mean 0, variance ``1 - eps``, scale 1, the fitted
-bias), and :func:`~fedfuse.fusion.blocks.batchnorm.refold_batchnorm_statistics` later gives it
-the fusion set's statistics without changing the function. Inner neurons have no importance
-scores (the sites score level outputs), so they are grouped with equal weights.
+for the affine levels. A piece's output neurons are grouped with the level's importances (for a
+residual level, numbered like the stream's channels); inner neurons have no importance scores
+(the sites score level outputs), so they are grouped with equal weights. A fitted BatchNorm holds
+the affine map it stands for; :func:`~fedfuse.fusion.blocks.batchnorm.refold_batchnorm_statistics`
+later gives it the fusion set's statistics without changing the function.
 """
 
 from __future__ import annotations
@@ -45,16 +27,13 @@ from fedfuse.fusion.neuron_interpolation.sublayers import (
     group_targets,
     run_chunks,
 )
-from fedfuse.fusion.neuron_interpolation.transformer import (
-    TRANSFORMER_LEVELS,
-    fit_transformer_level,
-)
+from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
 from fedfuse.models.leveled import LeveledModel
-from fedfuse.models.pieces import LinearPiece, linear_pieces
 from fedfuse.models.resnet import BasicBlock, Stem
+from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
 #: the levels fitted here besides affine ones
-BLOCK_LEVELS = (Stem, BasicBlock, *TRANSFORMER_LEVELS)
+BLOCK_LEVELS = (Stem, BasicBlock, PatchEmbedding, EncoderBlock)
 
 
 def is_block_level(level: nn.Module) -> bool:
@@ -96,32 +75,24 @@ def fit_block_linear(
     their own ``base_inputs``; ``weights`` are the base output neurons' importances and
     ``labels`` their groups when already chosen (residual levels). Returns the fit's details:
     the ridge of each sub-layer fit and the output neurons' ``labels``."""
-    if isinstance(level, TRANSFORMER_LEVELS):
-        return fit_transformer_level(
-            level,
-            x,
-            base_levels,
-            base_inputs,
-            weights,
-            k,
-            labels,
-            group=group,
-            batch_size=batch_size,
-        )
     parts = chunks(len(x), batch_size)
     # the base models stay where they are, unchanged: their level runs as a copy beside x
     base_levels = [copy.deepcopy(b).to(x.device).eval() for b in base_levels]
     pieces = linear_pieces(level)
-    if pieces is None or not isinstance(level, (Stem, BasicBlock)):
+    if pieces is None or not is_block_level(level):
         raise TypeError(f"fit_block_linear fits ResNet and ViT blocks, not {type(level).__name__}")
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = {"sublayers": {}}
     for piece in pieces:
-        ridge, fitted = _fit_piece(
-            piece, level, x, base_levels, base_inputs, weights, k, labels, group, parts
-        )
-        labels = labels if piece.inner else fitted
-        details[piece.name] = ridge
-    return {"sublayers": details, "labels": labels}
+        if piece.kind == "logits":
+            ridge, heads = _fit_logits(piece, level, x, base_levels, base_inputs, group, parts)
+            details["heads"] = heads.tolist()
+        else:
+            ridge, fitted = _fit_piece(
+                piece, level, x, base_levels, base_inputs, weights, k, labels, group, parts
+            )
+            labels = labels if piece.inner else fitted
+        details["sublayers"][piece.name] = ridge
+    return {**details, "labels": labels}
 
 
 def _fit_piece(
@@ -151,10 +122,39 @@ def _fit_piece(
         stream = piece.stream
         targets = targets - run_chunks(lambda t: stream(level, t), x, parts)
     positions = len(targets) // len(x)
-    fit, _, _ = fit_rows(
+    fit, gram, _ = fit_rows(
         lambda c: piece.design(level, x[c]),
         lambda c: targets[c.start * positions : c.stop * positions],
         parts,
     )
-    piece.load(level, fit.weights.float())
+    piece.load(level, fit.weights, gram)
+    return fit.ridge, labels
+
+
+def _fit_logits(
+    piece: LinearPiece,
+    level: nn.Module,
+    x: torch.Tensor,
+    base_levels: list[nn.Module],
+    base_inputs: list[torch.Tensor],
+    group: GroupFn,
+    parts: list[slice],
+) -> tuple[float, torch.Tensor]:
+    """Fit an attention's queries and keys (:func:`~fedfuse.fusion.pieces.attention_logits`):
+    every model's regressed on the fused design in one ridge fit; returns the ridge and the
+    fused head of each base head."""
+
+    def targets(c: slice) -> torch.Tensor:
+        return torch.cat(
+            [piece.target(b, i[c]) for b, i in zip(base_levels, base_inputs, strict=True)], 1
+        )
+
+    fit, gram, _ = fit_rows(lambda c: piece.design(level, x[c]), targets, parts)
+    widths = [piece.width(b) for b in base_levels]
+    translations = list(fit.weights.split(widths, 1))
+    heads = [b.attention.heads for b in base_levels]
+    fused_heads = level.attention.heads
+    size = level.attention.q.out_features // fused_heads
+    weights, labels = attention_logits(translations, heads, gram, fused_heads, size, group)
+    piece.load(level, weights, gram)
     return fit.ridge, labels

@@ -9,19 +9,15 @@ level's groups are then numbered like the fused input channels they add to.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
+from fedfuse.fusion.pieces import GroupFn
 from fedfuse.models.affine import output_rows
 
 GROUPINGS = ("hungarian", "kmeans")
-
-#: ``group(points, weights, widths, k)``: the fused neuron of each base neuron (points as rows)
-GroupFn = Callable[[torch.Tensor, torch.Tensor, list[int], int], torch.Tensor]
 
 
 def group_neurons(

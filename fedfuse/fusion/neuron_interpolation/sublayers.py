@@ -12,7 +12,6 @@ from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.least_squares import (
     RidgeFit,
     accumulate_normal_equations,
-    gram_spectrum,
     ridge_fit,
 )
 from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
@@ -47,11 +46,6 @@ def group_targets(
     return labels, cluster_targets(rows, labels.to(rows.device), weights, k)
 
 
-def with_ones(rows: torch.Tensor) -> torch.Tensor:
-    """Design rows with a trailing column of ones (the bias)."""
-    return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
-
-
 def fit_rows(
     design: Callable[[slice], torch.Tensor],
     targets: Callable[[slice], torch.Tensor],
@@ -71,12 +65,3 @@ def fit_rows(
         (counted(c) for c in parts), (targets(c) for c in parts), dtype=torch.float32
     )
     return ridge_fit(gram, cross, norms, rows), gram, rows
-
-
-def whitener(gram: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(H, H^+)`` with ``H H^T`` the design's second moment ``X^T X / rows`` on its range and
-    ``H^+`` its pseudo-inverse transposed: a map ``M`` truncated as ``H^T M`` is truncated where
-    the data measures its error (``||X M||``)."""
-    spectrum = gram_spectrum(gram / rows, rows=rows, rcond=1e-8)
-    root = spectrum.values.sqrt()
-    return spectrum.vectors * root, spectrum.vectors / root
