@@ -6,9 +6,9 @@ VGG11s, the run default of :data:`~fedfuse.settings.run.DEFAULT_FUSION_SAMPLES` 
 32x32x3; App. F.5 Table 10), whose GPU times are shown next to ours as a ratio. ``--arch resnet``
 (ResNet-18, width 1, CIFAR stem) and ``--arch vit`` (the paper's CIFAR ViT) benchmark every
 registered method that accepts the architecture (``--methods all``, their default); methods
-that refuse it, or need inputs the benchmark does not build (the sites themselves, for
-statistics rounds), are listed with the reason, and a method that raises is reported as FAILED
-while the others go on.
+that refuse it are listed with the reason, and a method that raises is reported as FAILED while
+the others go on. Statistics-round methods get two in-process sites holding the two halves of
+the fusion set; their statistics are part of the timed fusion.
 
 Each method runs ``repeats`` times in this process; the median wall time of
 :meth:`~fedfuse.fusion.base.FusionMethod.fuse` is reported (CUDA synchronised), with the peak
@@ -38,6 +38,7 @@ from fedfuse.fusion.base import (
     split_method_options,
 )
 from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.site_statistics import LocalSites
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
 from fedfuse.runtime import PeakMemory, resolve_device
 from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES
@@ -58,7 +59,7 @@ DEFAULT_MODEL_OPTIONS: dict[str, dict[str, Any]] = {
 #: the default ``--methods`` per architecture (``all``: every method that accepts it)
 DEFAULT_METHODS = {"vgg11": "vanilla,hf-linear,kf-linear,kf-gradient", "mlp": "vanilla,hf-linear"}
 #: the :class:`FusionInputs` fields the benchmark builds (Grams only when a method reads them)
-PROVIDED_INPUTS = frozenset({"data", "labels", "sample_counts", "class_counts", "grams"})
+PROVIDED_INPUTS = frozenset({"data", "labels", "sample_counts", "class_counts", "grams", "sites"})
 NUM_CLASSES = 10
 
 
@@ -226,6 +227,13 @@ def measure(
             grams = _grams(models, inputs.data, torch_device)
             method_inputs = dataclasses.replace(inputs, grams=grams)
             notes.append("Grams on the fusion set, not timed")
+        if "sites" in method.needs():  # the sites' statistics are computed in the timed fusion
+            half = len(inputs.data) // 2
+            assert inputs.data is not None
+            parts = [inputs.data[:half], inputs.data[half:]]
+            sites = LocalSites(models, parts, device=torch_device)
+            method_inputs = dataclasses.replace(method_inputs, sites=sites)
+            notes.append("2 sites in-process on halves of the fusion set, their work timed")
         if "labels" in method.needs():
             notes.append("random labels")
         log.info("%s: fusing %d times", name, repeats)

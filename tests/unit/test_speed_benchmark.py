@@ -73,17 +73,17 @@ def test_vit_with_method_options_a_skip_and_a_failure(monkeypatch):
     assert by["vanilla"]["status"] == "failed"
     assert "out of memory (simulated)" in by["vanilla"]["note"]
     assert by["fedma"]["status"] == "refused" and "vit" in by["fedma"]["note"]
-    assert by["kf-sites"]["status"] in ("refused", "skipped") and by["kf-sites"]["note"]
+    _assert_timed(by["kf-sites"])
     table = speed.format_speed_table(rows, "header")
     assert "| vanilla | FAILED |" in table
 
 
-def test_methods_needing_the_sites_are_skipped_not_crashed():
+def test_methods_needing_the_sites_get_two_in_process_sites():
     rows = speed.measure(
         ["hf-sites"], arch="mlp", input_shape=(1, 4, 4), width=4, fusion_samples=8, device="cpu"
     )
-    assert rows[0]["status"] == "skipped"
-    assert "sites themselves" in rows[0]["note"]
+    _assert_timed(rows[0])
+    assert "2 sites in-process" in rows[0]["note"]
 
 
 def test_all_and_options_split():
