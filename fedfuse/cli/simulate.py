@@ -49,14 +49,16 @@ def _run_finished(results: Path, started: datetime) -> bool:
 
 def simulation_run_config(
     overrides: str,
-    output_dir: Path,
+    output_dir: Path | None,
     num_clients: int,
     cpus_per_client: int = 1,
     app_keys: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """The run config overrides of a simulation: the user's, plus the output directory and,
-    unless given, ``min-nodes`` (wait for every simulated site) and ``max-in-flight`` (four
-    train messages per Ray worker at a time), each only where the app declares that key."""
+    """The run config overrides of a simulation: the user's, plus the output directory
+    (``output_dir``, else the run config's ``output-dir``, else ``outputs``; both given and
+    different is a ValueError) and, unless given, ``min-nodes`` (wait for every simulated
+    site) and ``max-in-flight`` (four train messages per Ray worker at a time), each only where
+    the app declares that key."""
     from flwr.common.config import parse_config_args
 
     config = parse_config_args([overrides]) if overrides.strip() else {}
@@ -67,7 +69,14 @@ def simulation_run_config(
     for key, value in (("min-nodes", num_clients), ("max-in-flight", 4 * workers)):
         if keys is None or key in keys:
             config.setdefault(key, value)
-    config["output-dir"] = str(output_dir)
+    given = config.get("output-dir")
+    if output_dir is None:
+        output_dir = Path(str(given or "outputs"))
+    elif given is not None and Path(str(given)).expanduser().resolve() != output_dir.resolve():
+        raise ValueError(
+            f"--output-dir {output_dir} and run config output-dir={given!r} differ; give one"
+        )
+    config["output-dir"] = str(output_dir.expanduser().resolve())
     return config
 
 
@@ -167,15 +176,19 @@ def simulate(args: argparse.Namespace) -> int:
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
     running_before = set(superlink_pids(control_port))
 
-    output_dir = Path(args.output_dir).expanduser().resolve()
     started = datetime.now(UTC)
     run_config = args.run_config
     if args.overrides:
         run_config, sites = _run_config_from_overrides(args.overrides, args.run_config)
         args.num_clients = args.num_clients or sites
     config = simulation_run_config(
-        run_config, output_dir, args.num_clients, args.cpus_per_client, _app_config_keys(app)
+        run_config,
+        None if args.output_dir is None else Path(args.output_dir),
+        args.num_clients,
+        args.cpus_per_client,
+        _app_config_keys(app),
     )
+    output_dir = Path(config["output-dir"])
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
     federation = (
@@ -281,7 +294,7 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         default=0.0,
         help="GPU share per site (e.g. 0.25: four sites per GPU); needs CUDA and device=auto/cuda",
     )
-    sim.add_argument("--output-dir", default="outputs")
+    sim.add_argument("--output-dir", default=None, help="where run folders go (default: outputs)")
     sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')
     sim.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
     sim.add_argument(

@@ -289,3 +289,15 @@ def test_simulate_sets_only_the_run_config_keys_the_app_declares(tmp_path):
     assert mine["min-nodes"] == 2 and mine["max-in-flight"] == 3  # the user's values win
     other_app = simulation_run_config("", tmp_path, 10, app_keys=["min-nodes"])
     assert "max-in-flight" not in other_app and other_app["output-dir"] == str(tmp_path)
+
+
+def test_simulate_takes_the_output_dir_from_the_run_config_or_the_option(tmp_path):
+    from fedfuse.cli.simulate import simulation_run_config
+
+    given = simulation_run_config(f"output-dir='{tmp_path / 'runs'}'", None, 2)
+    assert given["output-dir"] == str(tmp_path / "runs")
+    assert simulation_run_config("", None, 2)["output-dir"].endswith("outputs")
+    same = simulation_run_config(f"output-dir='{tmp_path}'", tmp_path, 2)
+    assert same["output-dir"] == str(tmp_path)
+    with pytest.raises(ValueError, match="--output-dir .* and run config output-dir=.* differ"):
+        simulation_run_config(f"output-dir='{tmp_path / 'a'}'", tmp_path / "b", 2)
