@@ -28,8 +28,9 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
      ``ñ`` (the piece's targets; on the fusion set, or each site's translation on its data)
      gives ``ñ^{(m)} W̃^T ≈ ñ Ŵ``, so its logits are ``≈ ñ B̂_{mg} ñ^T``: forms in one
      coordinate system, which can be compared and averaged. With ``H H^T = ñ^T ñ / R`` the
-     design's second moment, ``||H^T (B̂ - B̂') H||`` is the logits' distance on the data;
-     heads are grouped across models by it (Hungarian or k-means, equal weights) and fused head
+     design's second moment, ``||H^T (B̂ - B̂') H||`` is the logits' distance on the data.
+     Heads are grouped across models (Hungarian or k-means, equal weights) by their attention
+     maps where the server holds the data (the fusion set), else by that distance, and fused head
      ``c`` takes its group's mean form (the softmax of mean logits: the normalised geometric
      mean of the maps), cut to the head's rank where the data measures it: from the SVD
      ``H^T B_c H = U S V^T``, ``W̃_q^T = d_h^{1/4} H^+ U_r S_r^{1/2}``, ``W̃_k^T`` with ``V_r``
@@ -152,12 +153,14 @@ def attention_logits(
     fused_heads: int,
     head_size: int,
     group: GroupFn,
+    points: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused queries and keys ``[W̃_q^T, W̃_k^T]`` (``(d+1) x 2 * heads * head_size``) of a
     ``q+k`` piece, and the fused head of each base head (module docstring, step 1).
 
     ``translations[m]`` (``(d+1) x 2 w_m``): model ``m``'s queries then keys regressed on the
-    fused design (Gram ``gram``); ``heads[m]`` its head count."""
+    fused design (Gram ``gram``); ``heads[m]`` its head count. The heads are grouped by
+    ``points`` (a row per base head) when given, else by their forms."""
     half, inverse = whitener(gram)
     forms = []
     for regressed, count in zip(translations, heads, strict=True):
@@ -168,7 +171,8 @@ def attention_logits(
             q[:, g * size : (g + 1) * size] @ k[:, g * size : (g + 1) * size].T / math.sqrt(size)
             for g in range(count)
         ]
-    points = torch.stack([(half.T @ form @ half).flatten() for form in forms])
+    if points is None:
+        points = torch.stack([(half.T @ form @ half).flatten() for form in forms])
     labels = group(points, torch.ones(len(points), dtype=points.dtype), list(heads), fused_heads)
     width = fused_heads * head_size
     weights = gram.new_zeros(len(gram), 2 * width, dtype=torch.float64)
@@ -183,6 +187,18 @@ def attention_logits(
         weights[:, c * head_size : c * head_size + r] = inverse @ (u[:, :r] * scale)
         weights[:, width + c * head_size : width + c * head_size + r] = inverse @ (vh[:r].T * scale)
     return weights, labels
+
+
+@torch.no_grad()
+def attention_map_points(blocks: list[nn.Module], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Each head's attention maps on its block's inputs (channels first), flattened as a row,
+    model by model: points to group heads by where they attend (the fusion set's alternative to
+    the logits' forms of :func:`attention_logits`)."""
+    rows = []
+    for block, x in zip(blocks, inputs, strict=True):
+        maps = _maps(block.attention, block.ln1(_tokens(x)))  # (n, heads, T, T)
+        rows.append(maps.transpose(0, 1).flatten(1))
+    return torch.cat(rows).double()
 
 
 def value_weights(
@@ -432,6 +448,7 @@ __all__ = [
     "GroupFn",
     "LinearPiece",
     "attention_logits",
+    "attention_map_points",
     "linear_pieces",
     "pre_output",
     "set_batchnorm",
