@@ -77,12 +77,11 @@ def fit_block_linear(
     group: GroupFn,
     batch_size: int,
 ) -> dict[str, Any]:
-    """Fit the fused block ``level`` (inputs ``x``) in closed form, sub-layer by sub-layer: a
-    ResNet :class:`Stem` or :class:`BasicBlock` (module docstring) or a ViT level
-    (:mod:`.transformer`), to the base ``base_levels`` run on
-    their own ``base_inputs``; ``weights`` are the base output neurons' importances and
-    ``labels`` their groups when already chosen (residual levels). Returns the fit's details:
-    the ridge of each sub-layer fit and the output neurons' ``labels``."""
+    """Fit the fused block ``level`` (inputs ``x``) in closed form, piece by piece
+    (:func:`~fedfuse.fusion.pieces.linear_pieces`), to the base ``base_levels`` run on their own
+    ``base_inputs``; ``weights`` are the base output neurons' importances and ``labels`` their
+    groups when already chosen (residual levels). Returns the ridge of each piece's fit, the
+    heads' groups (ViT blocks) and the output neurons' ``labels``."""
     parts = chunks(len(x), batch_size)
     # the base models stay where they are, unchanged: their level runs as a copy beside x
     base_levels = [copy.deepcopy(b).to(x.device).eval() for b in base_levels]
