@@ -5,8 +5,13 @@ data once more and send it back (``train.finetune``).
 
 Simulation: a site's data is its partition (``partition-id`` / ``num-partitions``, set by Flower)
 of the configured dataset. Deployment: start the SuperNode with
-``--node-config "partition-id=<site id> data-path='/path/site.npz'"`` (see
+``--node-config "partition-id=<site id> site-name='<name>' data-path='/path/site.npz'"`` (see
 :mod:`fedfuse.data.arrays` for the file). Run config keys are those of ``RunSettings``.
+
+A site checks its data against the run's data contract (in the train message) before it trains.
+When it cannot upload, it still answers, at once: a ``no-upload`` reply that says whether it
+refused (its data breaks the contract) or failed, why, and which site it is, so the server names
+it in the run's status.
 
 Each handler is glue only: the settings, the site's identity, the message unpacked, one call of
 the site's Flower-free work (:mod:`fedfuse.federation.site`), the reply packed.
@@ -14,9 +19,12 @@ the site's Flower-free work (:mod:`fedfuse.federation.site`), the reply packed.
 
 from __future__ import annotations
 
+import logging
+
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedfuse.federation.contract import SiteRefusal
 from fedfuse.federation.site import answer_statistics_request, finetune_site, train_site
 from fedfuse.federation.site_cache import run_site_cache
 from fedfuse.runtime import configure_logging
@@ -24,6 +32,7 @@ from fedfuse.settings.run import RunSettings
 
 from .records import (
     pack_finetune_reply,
+    pack_no_upload,
     pack_statistics,
     pack_upload,
     unpack_finetune_request,
@@ -31,7 +40,17 @@ from .records import (
     unpack_train_request,
 )
 
+log = logging.getLogger(__name__)
+
 app = ClientApp()
+
+#: node-config key of a site's name, shown in the server's logs, results and checkpoints
+SITE_NAME_KEY = "site-name"
+
+
+def site_name(context: Context) -> str:
+    """The site's name from its node config (``site-name``), or "" when it gave none."""
+    return str(context.node_config.get(SITE_NAME_KEY, "")).strip()[:200]
 
 
 def site_identity(context: Context) -> tuple[int, int, str | None]:
@@ -58,18 +77,32 @@ def train_and_upload(msg: Message, context: Context) -> Message:
     """Train on the site's data, compute importance scores, reply with weights + scores (and
     the Gram matrices when the server's message asks for them)."""
     configure_logging()
-    settings = RunSettings.from_config(context.run_config)
-    partition_id, num_partitions, data_path = site_identity(context)
-    initial_state, send_grams = unpack_train_request(msg.content)
-    upload = train_site(
-        settings,
-        partition_id,
-        num_partitions,
-        initial_state,
-        data_path=data_path,
-        send_grams=send_grams,
-        cache=run_site_cache(settings, partition_id, num_partitions, data_path),
-    )
+    name = site_name(context)
+    partition_id = -1
+    try:
+        partition_id, num_partitions, data_path = site_identity(context)
+        settings = RunSettings.from_config(context.run_config)
+        request = unpack_train_request(msg.content)
+        upload = train_site(
+            settings,
+            partition_id,
+            num_partitions,
+            request.initial_state,
+            data_path=data_path,
+            send_grams=request.send_grams,
+            cache=run_site_cache(settings, partition_id, num_partitions, data_path),
+            contract=request.contract,
+            site_name=name,
+        )
+    except SiteRefusal as refusal:
+        log.error("refusing to train: %s", refusal)
+        content = pack_no_upload("refused", str(refusal), site_name=name, partition_id=partition_id)
+        return Message(content=content, reply_to=msg)
+    except Exception as error:  # the server is told which site failed and why
+        log.exception("the site failed")
+        reason = f"{type(error).__name__}: {error}"
+        content = pack_no_upload("failed", reason, site_name=name, partition_id=partition_id)
+        return Message(content=content, reply_to=msg)
     return Message(content=pack_upload(upload), reply_to=msg)
 
 

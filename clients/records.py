@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import ClientUpload
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.io.validation import model_from_state
@@ -36,6 +38,14 @@ SEND_GRAMS_KEY = "send-grams"
 EXTRAS_KEY = "fusion-extras"
 #: train-message config key: the score method of the importance scores asked for
 SCORE_METHOD_KEY = "score-method"
+#: train-message config key: the run's data contract (JSON of
+#: :meth:`fedfuse.federation.contract.DataContract.to_dict`), checked by a site before it trains
+CONTRACT_KEY = "data-contract"
+#: reply record of a site that did not upload: it refused (its data breaks the contract) or
+#: failed (an error while loading, training or scoring); ``kind``, ``reason`` and who it is
+NO_UPLOAD_KEY = "no-upload"
+#: longest name or reason a site may send
+_MAX_TEXT = 2000
 
 
 def pack_train_request(
@@ -45,26 +55,62 @@ def pack_train_request(
     send_grams: bool,
     extras: Sequence[str] = (),
     score_method: str = "",
+    contract: DataContract | None = None,
 ) -> RecordDict:
     """The server's train message: the initial model (empty unless ``init="shared"``) and its
-    ``config`` with ``send-grams`` added (and, for a plain ClientApp, the ``extras`` to send)."""
+    ``config`` with ``send-grams`` and the data ``contract`` added (and, for a plain ClientApp,
+    the ``extras`` to send)."""
     config[SEND_GRAMS_KEY] = bool(send_grams)
+    if contract is not None:
+        config[CONTRACT_KEY] = json.dumps(contract.to_dict())
     if extras:
         config[EXTRAS_KEY] = ",".join(extras)
         config[SCORE_METHOD_KEY] = score_method
     return RecordDict({WEIGHTS_KEY: arrays, CONFIG_KEY: config})
 
 
-def unpack_train_request(
-    content: RecordDict,
-) -> tuple[dict[str, torch.Tensor] | None, bool | None]:
-    """The initial model of a train message (None when it holds none) and whether to send Gram
-    matrices (None when the message does not say: the site then asks the run's methods)."""
+@dataclass(frozen=True)
+class TrainRequest:
+    """A train message, unpacked: the initial model (None when it holds none), whether to send
+    Gram matrices (None when the message does not say: the site then asks the run's methods)
+    and the data contract (None: the server sent none)."""
+
+    initial_state: dict[str, torch.Tensor] | None
+    send_grams: bool | None
+    contract: DataContract | None
+
+
+def unpack_train_request(content: RecordDict) -> TrainRequest:
+    """The :class:`TrainRequest` in a train message (a malformed contract raises ValueError)."""
     initial = content.array_records.get(WEIGHTS_KEY)
     initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
     config = content.config_records.get(CONFIG_KEY)
     send_grams = config.get(SEND_GRAMS_KEY) if config is not None else None
-    return initial_state, None if send_grams is None else bool(send_grams)
+    contract = None
+    if config is not None and CONTRACT_KEY in config:
+        try:
+            document = json.loads(str(config[CONTRACT_KEY]))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the train message's data contract is not JSON ({error})") from None
+        contract = DataContract.from_dict(document, source="the train message")
+    return TrainRequest(initial_state, None if send_grams is None else bool(send_grams), contract)
+
+
+def pack_no_upload(kind: str, reason: str, *, site_name: str, partition_id: int) -> RecordDict:
+    """The reply of a site that sends no upload: ``kind`` ``"refused"`` (its data breaks the
+    run's contract; nothing was trained) or ``"failed"`` (an error), with the reason."""
+    return RecordDict(
+        {
+            NO_UPLOAD_KEY: ConfigRecord(
+                {
+                    "kind": kind,
+                    "reason": reason[:_MAX_TEXT],
+                    "site-name": site_name[:_MAX_TEXT],
+                    "partition-id": int(partition_id),
+                }
+            )
+        }
+    )
 
 
 def pack_upload(upload: ClientUpload) -> RecordDict:
@@ -84,6 +130,7 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
                 {
                     "partition-id": upload.partition_id,
                     "num-partitions": upload.num_partitions,
+                    "site-name": upload.site_name,
                     "class-counts": [int(c) for c in upload.class_counts],
                     "model-spec": json.dumps(upload.model.spec.to_dict()),
                     "score-method": upload.score_method,

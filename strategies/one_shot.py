@@ -51,6 +51,7 @@ from torch import nn
 from fedfuse.clients.records import pack_train_request
 from fedfuse.data import ImageDataset
 from fedfuse.data.tensors import collect_samples
+from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
 from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
 from fedfuse.io.validation import ContributionError
@@ -59,7 +60,15 @@ from fedfuse.runtime import configure_logging
 
 from .finetune_round import SiteFinetuneRound
 from .messaging import stream_replies, wait_for_nodes
-from .replies import EXTRAS_HINT, decode_plain_reply, decode_reply, describe_sender
+from .replies import (
+    EXTRAS_HINT,
+    SiteDidNotUpload,
+    decode_plain_reply,
+    decode_reply,
+    describe_sender,
+    sender_name,
+)
+from .roster import SiteRoster
 from .statistics_rounds import FlowerSites
 
 log = logging.getLogger(__name__)
@@ -153,6 +162,10 @@ class OneShotFusion(Strategy):
         max_in_flight: train messages out at once (0: all; see :func:`stream_replies`).
         target: given the sites' spec, the fused model's (None: the sites').
         score_method: the importance scores a plain ClientApp computes (``client_extras``).
+        contract: the data contract sent with the train message: fedfuse's ClientApp checks
+            its data against it and refuses, at once and by name, when they differ.
+        on_fused: called with each method's name and result as soon as it has fused (e.g. to
+            save the model before anything else can fail).
 
     Raises:
         MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
@@ -177,6 +190,8 @@ class OneShotFusion(Strategy):
         max_in_flight: int = 0,
         target: Callable[[ModelSpec], ModelSpec | None] | None = None,
         score_method: str = "conductance",
+        contract: DataContract | None = None,
+        on_fused: Callable[[str, FusionResult], None] | None = None,
     ) -> None:
         self.methods = as_methods(methods)
         if not self.methods:
@@ -209,7 +224,11 @@ class OneShotFusion(Strategy):
         self.on_upload = on_upload
         self.max_in_flight = max_in_flight
         self.target = target
+        self.contract = contract
+        self.on_fused = on_fused
         self.problems: list[str] = []
+        #: the sites left out of the fusion, and why
+        self.roster = SiteRoster()
         self.results: dict[str, FusionResult] = {}
         self.failures: dict[str, MethodFailure] = {}
         #: each method's metrics from ``start``'s ``evaluate_fn``
@@ -306,6 +325,7 @@ class OneShotFusion(Strategy):
             send_grams=needs_grams(self.methods),
             extras=self._extras,
             score_method=self.score_method,
+            contract=self.contract,
         )
         log.info("sending the one train message to %d sites", len(self._sent))
         return [
@@ -413,7 +433,9 @@ class OneShotFusion(Strategy):
             entry = self.store.add(upload, source=source)
         except ContributionError as error:
             self.problems.append(str(error))
-            log.error("rejected upload: %s", error)
+            kind = error.kind if isinstance(error, SiteDidNotUpload) else "rejected"
+            self.roster.drop(kind, str(error), node=msg.metadata.src_node_id, name=sender_name(msg))
+            log.error("%s upload: %s", "no" if kind in ("refused", "failed") else "rejected", error)
             return None
         finally:
             elapsed = time.monotonic() - started
@@ -450,7 +472,12 @@ class OneShotFusion(Strategy):
         for node in nodes:
             problem = f"node {node}: no reply before the reply timeout"
             self.problems.append(problem)
+            self.roster.drop("silent", problem, node=node)
             log.error("%s", problem)
+
+    def sites(self) -> list[dict[str, Any]]:
+        """Every site of the run by name, node id and status (:class:`SiteRoster`)."""
+        return self.roster.sites(self.store.entries, self._node_of)
 
     def _agree_on_partitions(self) -> None:
         """Keep the uploads whose ``num-partitions`` is the majority's; name the others."""
@@ -466,6 +493,13 @@ class OneShotFusion(Strategy):
                     f"{counts[self.num_partitions]} other site(s) report {self.num_partitions}"
                 )
                 self.problems.append(problem)
+                self.roster.drop(
+                    "rejected",
+                    problem,
+                    node=self._node_of.pop(entry.partition_id, None),
+                    name=entry.facts.get("site_name", ""),
+                    partition_id=entry.partition_id,
+                )
                 self.store.discard(entry.partition_id, problem)
 
     def _statistics_channel(self, models: Sequence[LeveledModel]) -> FlowerSites:
@@ -526,13 +560,19 @@ class OneShotFusion(Strategy):
             method_started = time.monotonic()
             try:
                 target = None if self.target is None else self.target(models[0].spec)
-                self.results[method.name] = method.fuse(models, inputs, target=target)
+                result = method.fuse(models, inputs, target=target)
+                if self.adapter is not None:  # the app gets its own model, under its own names
+                    result.model = self.adapter.export(result.model)
             except Exception as error:  # one method's failure must not cost the others
                 seconds = time.monotonic() - method_started
                 self.failures[method.name] = MethodFailure(
                     f"{type(error).__name__}: {error}", seconds
                 )
                 log.exception("fusion method %s failed; the other methods go on", method.name)
+                continue
+            self.results[method.name] = result
+            if self.on_fused is not None:  # e.g. saved now, before anything else can fail
+                self.on_fused(method.name, result)
         self.timings["fuse"] = time.monotonic() - started
         if not self.results:
             raise FusionAborted(
@@ -541,9 +581,6 @@ class OneShotFusion(Strategy):
             )
         if inputs.sites is not None:
             self.problems.extend(inputs.sites.problems)
-        if self.adapter is not None:  # the app gets its own model back, under its own names
-            for result in self.results.values():
-                result.model = self.adapter.export(result.model)
         primary = next(iter(self.results.values()))
         metrics = MetricRecord(
             {

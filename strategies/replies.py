@@ -19,6 +19,7 @@ from fedfuse.clients.records import (
     EXTRAS_KEY,
     GRAMS_KEY,
     METRICS_KEY,
+    NO_UPLOAD_KEY,
     SCORE_METHOD_KEY,
     SCORES_KEY,
     SECONDS_PREFIX,
@@ -40,22 +41,62 @@ from fedfuse.io.validation import (
 from fedfuse.models import ModelAdapter, ModelSpec
 
 
+class SiteDidNotUpload(ContributionError):
+    """A site answered without an upload: ``kind`` ``"refused"`` (its data breaks the run's
+    contract; it trained nothing) or ``"failed"`` (an error at the site)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+_PRINTABLE = re.compile(r"[^\w .,:;@/()+=#'-]")
+
+
+def sender_name(msg: Message) -> str:
+    """The site name a reply gives (its site record, or its no-upload record), or ""."""
+    if msg.has_error():
+        return ""
+    for key in (SITE_KEY, NO_UPLOAD_KEY):
+        record = msg.content.config_records.get(key)
+        if record is not None and "site-name" in record:
+            return _PRINTABLE.sub("?", str(record["site-name"]))[:100]
+    return ""
+
+
 def describe_sender(msg: Message) -> str:
-    """``client <partition-id> (node <id>)`` when the reply says its partition, else the node."""
+    """``<site name> (client <partition-id>, node <id>)`` as far as the reply says who it is:
+    ``client <id> (node <id>)`` without a name, ``node <id>`` without a partition id."""
     node = f"node {msg.metadata.src_node_id}"
-    if not msg.has_error():
-        site = msg.content.config_records.get(SITE_KEY)
-        if site is not None and "partition-id" in site:
-            return f"client {str(site['partition-id'])[:20]} ({node})"
-    return node
+    if msg.has_error():
+        return node
+    partition = None
+    for key in (SITE_KEY, NO_UPLOAD_KEY):
+        record = msg.content.config_records.get(key)
+        if record is not None and "partition-id" in record:
+            partition = str(record["partition-id"])[:20]
+            break
+    name = sender_name(msg)
+    if partition is None or partition == "-1":
+        return f"{name} ({node})" if name else node
+    return f"{name} (client {partition}, {node})" if name else f"client {partition} ({node})"
 
 
 def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bool) -> ClientUpload:
-    """Validate one train reply and rebuild its model; raises :class:`ContributionError`."""
+    """Validate one train reply and rebuild its model; raises :class:`ContributionError`
+    (:class:`SiteDidNotUpload` for a site that refused or failed and said so)."""
     source = describe_sender(msg)
     if msg.has_error():
-        raise ContributionError(f"{source}: the client failed: {short_reason(msg.error.reason)}")
+        raise SiteDidNotUpload(
+            f"{source}: the client failed: {short_reason(msg.error.reason)}", "failed"
+        )
     content = msg.content
+    no_upload = content.config_records.get(NO_UPLOAD_KEY)
+    if no_upload is not None:
+        kind = "refused" if str(no_upload.get("kind")) == "refused" else "failed"
+        reason = short_reason(str(no_upload.get("reason", "")), limit=1000)
+        verb = "refused to train" if kind == "refused" else "the client failed"
+        raise SiteDidNotUpload(f"{source}: {verb}: {reason}", kind)
     for key, records in (
         (WEIGHTS_KEY, content.array_records),
         (METRICS_KEY, content.metric_records),
@@ -93,6 +134,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         grams=_grams(content, model, source),
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
         seconds=_seconds(metrics),
+        site_name=sender_name(msg),
     )
 
 

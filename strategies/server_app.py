@@ -4,17 +4,28 @@ A run writes, under ``<output-dir>/<run>/``:
 
 * ``clients/client_<id>.safetensors``: each site's upload (weights, scores, counts, Grams),
   written the moment it arrives, so ``fedfuse fuse <run dir>`` can fuse it again later;
-* ``results.json``: ``status`` (``running``, ``ok``, ``partial`` when some methods failed, or
-  ``failed`` with the error), the sites, the rejected uploads, per method its options, time,
-  details or error, the accuracy table and the time of each phase; rewritten after each phase;
-* ``fused.safetensors`` (the first method that succeeded) and ``fused-<method>.safetensors``;
+* ``results.json``: ``status`` (``running``; ``ok``; ``partial`` when a site was left out or a
+  method failed, with the reasons in ``error``; ``failed`` with the error and the phase it
+  failed in; ``stopped`` when the run was stopped: ``flwr stop``, Ctrl-C, SIGTERM), ``sites``
+  (every site by name and node id, with its status: ``uploaded``, ``refused``, ``failed``,
+  ``rejected`` or ``silent``, and why), the accepted uploads' facts (``clients``), the rejected
+  uploads, per method its options, time, details or error, the accuracy table and the time of
+  each phase; rewritten after each phase;
+* ``fused.safetensors`` (the first method that succeeded) and ``fused-<method>.safetensors``,
+  each written the moment its method has fused, before evaluation, and standing alone: its
+  metadata names the sites, the server's data files (sha256), the method, the versions, the
+  class names and the normalisation (:mod:`fedfuse.federation.provenance`);
 * with ``finetune-epochs`` > 0, ``finetuned-<method>.safetensors``: each fused model fine-tuned
   after fusion, on the server's fusion set (``finetune-data="fusion-set"``) or on the sites in
   one more round (``"sites"``, :mod:`.finetune_round`). Its results are the ``finetuned`` entry
   of ``results.json``, never mixed into ``accuracy`` (the zero-shot fused models).
 
+Before any site trains, the server checks its own files (fusion set, test set, output folder)
+and sends the sites the run's data contract (input shape, classes, normalisation), which each
+site checks its data against before training (:mod:`fedfuse.federation.contract`).
+
 ``<output-dir>/latest`` points at the newest run. ``flwr run`` exits 0 even when a run fails,
-so check ``status`` (``fedfuse simulate`` does, and exits non-zero).
+so check ``status`` (``fedfuse status <run dir>`` does, and so does ``fedfuse simulate``).
 """
 
 from __future__ import annotations
@@ -32,17 +43,19 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedfuse import __version__
 from fedfuse.data import DatasetNotFoundError, ImageDataset
+from fedfuse.federation.contract import DataContract
 from fedfuse.federation.evaluation import (
     evaluate_fusion,
     format_level_summary,
     format_run_summary,
 )
+from fedfuse.federation.provenance import DATA_FILE_KEYS, data_files, fused_model_metadata
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
-from fedfuse.fusion import FusionMethod
+from fedfuse.fusion import FusionMethod, FusionResult
 from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import save_checkpoint
-from fedfuse.models import build_model
+from fedfuse.models import ModelSpec, build_model
 from fedfuse.partitions import plot_class_counts
 from fedfuse.runtime import configure_logging, seed_everything
 from fedfuse.settings.run import RunSettings, finetune_seed, initial_seed
@@ -98,6 +111,10 @@ class OneShotRun:
         self.phases: dict[str, float] = {}
         self.scenarios: dict[int, Scenario] = {}
         self.fusion_sets: dict[int, ImageDataset] = {}
+        #: what the run is doing (named by a failure or a stop)
+        self.phase = "start"
+        self.contract: DataContract | None = None
+        self.files: dict[str, Any] = {}
 
     def scenario(self, num_partitions: int) -> Scenario:
         if num_partitions not in self.scenarios:
@@ -125,12 +142,57 @@ class OneShotRun:
         self.report["phases"] = self.phases
         write_json(self.out / "results.json", self.report)
 
+    def preflight(self, scenario: Scenario) -> tuple[ModelSpec, DataContract]:
+        """Check the server's own files before any site is asked to train: the fusion and test
+        sets (named by their run-config key), and the output folder (by writing the report).
+        Returns the sites' model spec and the run's data contract."""
+        self.phase = "preflight"
+        self.save()  # the output folder is writable, or the run ends here
+        config = self.settings.to_config()
+        for key in DATA_FILE_KEYS:
+            path = str(config.get(key) or "")
+            if path and not Path(path).expanduser().is_file():
+                raise ServerFileError(f"run config {key}='{path}': no such file on the server")
+        spec = scenario.model_spec()  # a fusion-data file that cannot be read fails here
+        reference = self.fusion_set(0) if self.settings.fusion_data else scenario.train_set
+        try:
+            scenario.test_set  # noqa: B018 - loaded now, not after every site trained
+        except (ValueError, OSError) as error:
+            key = "test-data" if self.settings.test_data else "dataset"
+            raise ServerFileError(f"the server's test set (run config {key}): {error}") from None
+        self.files = data_files(self.settings)
+        contract = self.contract = DataContract.of(reference)
+        self.report["data_contract"] = contract.to_dict()
+        self.report["data_files"] = self.files
+        return spec, contract
+
+    def on_fused(self, name: str, result: FusionResult, strategy: OneShotFusion) -> None:
+        """Save a fused model the moment it exists, with everything needed to use it alone."""
+        first = not any(f.get("checkpoint") for f in self.report["fusions"].values())
+        path = self.out / ("fused.safetensors" if first else f"fused-{name}.safetensors")
+        method = next(m for m in self.methods if m.name == name)
+        metadata = fused_model_metadata(
+            self.settings,
+            method=name,
+            options=method.options(),
+            sites=[e.facts for e in strategy.store.entries],
+            contract=self.contract,
+            files=self.files,
+            run_id=self.report.get("run_id"),
+        )
+        save_checkpoint(path, result.model, metadata={**metadata, "fusion_seconds": result.seconds})
+        self.report["fusions"][name].update(
+            status="ok", seconds=result.seconds, details=result.details, checkpoint=str(path)
+        )
+        self.save()
+        log.info("%s: fused model saved to %s", name, path)
+
     def run(self, grid: Grid) -> None:
         """Collect the uploads, fuse them and evaluate; ``report`` is saved after each phase."""
         settings = self.settings
         started = time.monotonic()
         scenario = self.scenario(settings.min_nodes)
-        spec = scenario.model_spec()
+        spec, contract = self.preflight(scenario)
         available = _available_inputs(settings, scenario)
         self.phases["prepare"] = time.monotonic() - started
         initial = (
@@ -141,6 +203,7 @@ class OneShotRun:
         store = UploadStore(self.out / "clients", expected_spec=spec)
         self.report["clients"] = []
         self.report["rejected"] = []
+        self.report["fusions"] = {m.name: self._method_entry(m) for m in self.methods}
 
         def on_upload(entry: StoredUpload) -> None:
             self.report["clients"].append(entry.facts)
@@ -166,16 +229,21 @@ class OneShotRun:
             on_upload=on_upload,
             max_in_flight=settings.max_in_flight,
             target=settings.fused_spec,
+            contract=contract,
+            on_fused=lambda name, result: self.on_fused(name, result, strategy),
         )
+        self.phase = "collect and fuse"
         try:
             strategy.start(grid, initial, num_rounds=1, timeout=settings.reply_timeout)
         finally:
             self.report["clients"] = [e.facts for e in store.entries]
             self.report["rejected"] = strategy.problems
+            self.report["sites"] = strategy.sites()
             self.report["fusions"] = self._fusions(strategy)
             self.phases.update(strategy.timings)
             self.save()
 
+        self.phase = "evaluate"
         started = time.monotonic()
         entries = store.entries
         test_set = self.scenario(strategy.num_partitions).test_set
@@ -184,17 +252,11 @@ class OneShotRun:
             store.models(), fused, test_set, device=settings.device, progress=True
         )
         self.phases["evaluate"] = time.monotonic() - started
+        self.phase = "report"
         self.report["class_counts"] = [e.class_counts for e in entries]
+        self.save()
         plot_class_counts(np.asarray(self.report["class_counts"]), self.out / "class_counts.png")
-        meta = {"init": settings.init, "settings": settings.to_config()}
-        for index, (name, result) in enumerate(strategy.results.items()):
-            path = self.out / ("fused.safetensors" if index == 0 else f"fused-{name}.safetensors")
-            save_checkpoint(
-                path,
-                result.model,
-                metadata={**meta, "strategy": name, "fusion_seconds": result.seconds},
-            )
-            self.report["fusions"][name]["checkpoint"] = str(path)
+        for name, result in strategy.results.items():
             log.info("%s per level:\n%s", name, format_level_summary(result))
         log.info(
             "results of one-shot fusion (init=%s):\n%s",
@@ -204,6 +266,7 @@ class OneShotRun:
         for name, failure in strategy.failures.items():
             log.error("fusion method %s failed: %s", name, failure.error)
         if settings.finetune_epochs > 0:
+            self.phase = "finetune"
             self.finetune(strategy, test_set)
 
     def finetune(self, strategy: OneShotFusion, test_set: ImageDataset) -> None:
@@ -278,20 +341,46 @@ class OneShotRun:
         ]
         log.info("fine-tuned after fusion (not zero-shot):\n%s", "\n".join(lines))
 
+    def _method_entry(self, method: FusionMethod) -> dict[str, Any]:
+        return {"options": method.options(), "needs": sorted(method.needs()), "status": "not run"}
+
     def _fusions(self, strategy: OneShotFusion) -> dict[str, Any]:
         fusions: dict[str, Any] = {}
         for method in self.methods:
-            entry: dict[str, Any] = {"options": method.options(), "needs": sorted(method.needs())}
+            entry = {**self._method_entry(method), **self.report["fusions"].get(method.name, {})}
             if method.name in strategy.results:
                 result = strategy.results[method.name]
                 entry.update(status="ok", seconds=result.seconds, details=result.details)
             elif method.name in strategy.failures:
                 failure = strategy.failures[method.name]
                 entry.update(status="failed", seconds=failure.seconds, error=failure.error)
-            else:
-                entry.update(status="not run")
             fusions[method.name] = entry
         return fusions
+
+
+class ServerFileError(ValueError):
+    """A file the server itself needs (fusion set, test set) is missing or unusable."""
+
+
+def _shortfalls(report: dict[str, Any]) -> list[str]:
+    """What keeps a finished run from being ``ok``: each site left out (by name, with its
+    status and reason), each failed fusion method and fine-tuning."""
+    problems = [
+        f"site {site.get('site') or site.get('node_id')} {site['status']}: {site['reason']}"
+        for site in report.get("sites", [])
+        if site["status"] != "uploaded"
+    ]
+    problems += [
+        f"{name}: {f.get('error')}"
+        for name, f in report.get("fusions", {}).items()
+        if f["status"] != "ok"
+    ]
+    problems += [
+        f"{f['label']}: {f.get('error')}"
+        for f in report.get("finetuned", {}).values()
+        if f["status"] != "ok"
+    ]
+    return problems
 
 
 @app.main()
@@ -333,17 +422,23 @@ def main(grid: Grid, context: Context) -> None:
     except Exception as error:
         _fail(report, error, out, started, run)
         raise
-    failed = [
-        f"{name}: {f.get('error')}" for name, f in report["fusions"].items() if f["status"] != "ok"
-    ]
-    failed += [
-        f"{f['label']}: {f.get('error')}"
-        for f in report.get("finetuned", {}).values()
-        if f["status"] != "ok"
-    ]
-    report["status"] = "partial" if failed else "ok"
-    if failed:
-        report["error"] = "; ".join(failed)
+    except (KeyboardInterrupt, SystemExit):
+        # `flwr stop`, Ctrl-C and SIGTERM reach a ServerApp as one of these (Flower's signal
+        # handler exits); what was saved stays, and the report says the run was stopped
+        report.update(
+            status="stopped",
+            error=f"the run was stopped during phase {run.phase!r}",
+            wall_seconds=time.monotonic() - started,
+        )
+        log.error("the run was stopped (phase %s); results so far in %s", run.phase, out)
+        run.save()
+        raise
+    shortfalls = _shortfalls(report)
+    report["status"] = "partial" if shortfalls else "ok"
+    if shortfalls:
+        report["error"] = "; ".join(shortfalls)
+        for problem in shortfalls:
+            log.warning("not ok: %s", problem)
     report["wall_seconds"] = time.monotonic() - started
     run.save()
     log.info("results written to %s", out / "results.json")
@@ -362,6 +457,11 @@ def _fail(
         traceback=traceback.format_exc(),
         wall_seconds=time.monotonic() - started,
     )
+    if run is not None:
+        report["failed_phase"] = run.phase
+        saved = [f["checkpoint"] for f in report.get("fusions", {}).values() if "checkpoint" in f]
+        if saved:
+            report["saved_checkpoints"] = saved
     log.error("one-shot fusion failed: %s", error)
     if run is not None:
         run.save()

@@ -20,3 +20,51 @@ def reply_from(content: RecordDict, node: int) -> Message:
     sent to ``node``."""
     incoming = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
     return Message(content=content, reply_to=incoming)
+
+
+class SitesGrid:
+    """A Grid whose sites are fedfuse's real ClientApp handlers, called in this process.
+
+    ``sites`` maps node ids to node configs; each pushed train message is answered by
+    ``train_and_upload`` with that node's config and ``run_config`` (``handler`` replaces it).
+    ``pushed`` records every message the server sent, so a test can tell that a check came
+    before any site was asked to train.
+    """
+
+    def __init__(self, sites, run_config, run_id=7, handler=None):
+        from flwr.app import Context
+
+        self.sites = sites
+        self.contexts = {
+            node: Context(run_id, node, dict(config), RecordDict(), dict(run_config))
+            for node, config in sites.items()
+        }
+        self.run = type("Run", (), {"run_id": run_id})()
+        self.pushed: list[Message] = []
+        self._outstanding: dict[str, Message] = {}
+        self.handler = handler
+
+    def get_node_ids(self):
+        return list(self.sites)
+
+    def push_messages(self, messages):
+        from fedfuse.clients.client_app import train_and_upload
+
+        ids = []
+        for msg in messages:
+            mid = f"m{len(self.pushed)}"
+            msg.metadata.__dict__["_message_id"] = mid
+            self.pushed.append(msg)
+            handler = self.handler or train_and_upload
+            self._outstanding[mid] = handler(msg, self.contexts[msg.metadata.dst_node_id])
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for mid in message_ids:
+            reply = self._outstanding.pop(mid, None)
+            if reply is not None:
+                reply.metadata.__dict__["_reply_to_message_id"] = mid
+                replies.append(reply)
+        return replies

@@ -13,6 +13,9 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from fedfuse.data.arrays import DEFAULT_MAX_CLASSES, SiteSummary
+from fedfuse.data.convert import DEFAULT_MAX_SIDE
+from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
 from fedfuse.deploy.credentials import (
     LOOPBACK_NAMES,
     fingerprint,
@@ -61,7 +64,8 @@ def keys_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _floats(text: str | None) -> list[float] | None:
+def parse_floats(text: str | None) -> list[float] | None:
+    """Comma-separated numbers (``"0.286"`` or ``"0.5,0.5,0.5"``) as floats; None stays None."""
     if text is None:
         return None
     try:
@@ -70,59 +74,126 @@ def _floats(text: str | None) -> list[float] | None:
         raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+#: Largest ``--classes @file`` read (10,000 names of 200 characters take 2 MB).
+_MAX_CLASS_FILE = 4 << 20
+#: Classes listed one per class on the summary's "per class" line; the rest are summed.
+_SHOWN_CLASSES = 20
+
+
 def _class_list(text: str | None) -> list[str] | None:
     if text is None:
         return None
     if text.startswith("@"):
         path = Path(text[1:]).expanduser()
-        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if path.is_file() and path.stat().st_size > _MAX_CLASS_FILE:
+            raise ValueError(
+                f"{path}: --classes file of {path.stat().st_size} bytes is too large "
+                f"(at most {_MAX_CLASS_FILE}); it holds one class name per line"
+            )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: --classes file is not UTF-8 text ({error})") from None
+        return [line.strip() for line in text.splitlines() if line.strip()]
     return [c.strip() for c in text.split(",")]
+
+
+def byte_size(text: str) -> int:
+    """A byte count: ``4294967296``, ``4G``, ``512MiB``, ``2 GB`` (binary units)."""
+    cleaned = text.strip().upper().removesuffix("B").removesuffix("I").strip()
+    scale = 1
+    if cleaned and cleaned[-1] in "KMGT":
+        scale = 1 << (10 * ("KMGT".index(cleaned[-1]) + 1))
+        cleaned = cleaned[:-1].strip()
+    try:
+        value = int(float(cleaned) * scale)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 4G or 512M, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size > 0, got {text!r}")
+    return value
+
+
+def _print_summary(summary: SiteSummary) -> None:
+    names = summary.class_names
+    label = [f"{i}" + (f" ({names[i]})" if names else "") for i in range(summary.num_classes)]
+    pairs = list(zip(label, summary.class_counts, strict=True))
+    shown = ", ".join(f"{lab}: {n}" for lab, n in pairs[:_SHOWN_CLASSES])
+    if len(pairs) > _SHOWN_CLASSES:
+        rest = summary.class_counts[_SHOWN_CLASSES:]
+        shown += f", ... {len(rest)} more classes: {sum(rest)} samples"
+    print(f"{summary.samples} samples, shape {summary.input_shape}, {summary.num_classes} classes")
+    print(f"per class: {shown}")
+    mean, std = [round(m, 6) for m in summary.mean], [round(s, 6) for s in summary.std]
+    print(f"mean {mean}, std {std}" + (" (measured)" if summary.measured else ""))
 
 
 def site_data_command(args: argparse.Namespace) -> int:
     """``fedfuse site-data``: convert a site's data to a validated ``.npz`` (or check one)."""
-    from fedfuse.data import load_npz_dataset, save_npz_dataset
+    from fedfuse.data import save_npz_dataset
+    from fedfuse.data.arrays import check_npz_dataset
     from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz, parse_shape
 
+    limits = {"max_classes": args.max_classes, "max_bytes": args.max_bytes}
     try:
         if args.source == "check":
-            dataset, names = load_npz_dataset(args.path), None
+            summary = check_npz_dataset(args.path, **limits)
         else:
             out = Path(args.out).expanduser()
             if out.suffix != ".npz":
                 raise ValueError(f"{out}: the site data file must end in .npz")
             if out.exists() and not args.force:
                 raise FileExistsError(f"{out}: exists; refusing to overwrite it (use --force)")
-            stats = {"mean": _floats(args.mean), "std": _floats(args.std)}
-            shape = parse_shape(args.shape) if args.shape else None
-            names = None
+            stats = {"mean": parse_floats(args.mean), "std": parse_floats(args.std)}
+            shape = (
+                parse_shape(args.shape, max_side=args.max_side, name="--shape")
+                if args.shape
+                else None
+            )
+            classes = _class_list(args.classes)
             if args.source == "folder":
                 if shape is None:
                     raise ValueError("--shape is required for an image folder, e.g. 1x28x28")
-                dataset, names = from_image_folder(
+                dataset, _ = from_image_folder(
                     args.path,
                     shape,
-                    classes=_class_list(args.classes),
+                    classes=classes,
                     num_classes=args.num_classes,
+                    follow_links=args.follow_links,
+                    **limits,
                     **stats,
                 )
             elif args.source == "medmnist":
                 dataset = from_medmnist_npz(
-                    args.path, args.split, num_classes=args.num_classes, shape=shape, **stats
+                    args.path,
+                    args.split,
+                    num_classes=args.num_classes,
+                    shape=shape,
+                    classes=classes,
+                    **limits,
+                    **stats,
                 )
             else:
+                if args.num_classes is None and classes is None:
+                    raise ValueError("give --num-classes or --classes for .npy arrays")
                 dataset = from_arrays(
-                    args.images, args.labels, args.num_classes, shape=shape, **stats
+                    args.images,
+                    args.labels,
+                    args.num_classes,
+                    shape=shape,
+                    classes=classes,
+                    **limits,
+                    **stats,
                 )
             save_npz_dataset(out, dataset)
-            load_npz_dataset(out)  # what the SuperNode will read: prove it reads back
+            del dataset
+            # what the SuperNode will read: prove it reads back (a chunk at a time)
+            summary = check_npz_dataset(out, **limits)
     except (FileExistsError, FileNotFoundError, ValueError, OSError) as error:
         return _fail("site-data", error)
-    counts = dataset.labels.bincount(minlength=dataset.num_classes).tolist()
-    label = [f"{i}" + (f" ({names[i]})" if names else "") for i in range(dataset.num_classes)]
-    print(f"{len(dataset)} samples, shape {dataset.input_shape}, {dataset.num_classes} classes")
-    print("per class: " + ", ".join(f"{lab}: {n}" for lab, n in zip(label, counts, strict=True)))
-    print(f"mean {[round(m, 6) for m in dataset.mean]}, std {[round(s, 6) for s in dataset.std]}")
+    _print_summary(summary)
     if args.source != "check":
         print(f"wrote {args.out}")
     return 0
@@ -171,9 +242,9 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
     folder = sources.add_parser("folder", help="an image folder, one sub-folder per class")
     folder.add_argument("path", help="folder holding <class>/<image files>")
     folder.add_argument(
-        "--classes",
-        help="the federation's classes in label order, comma-separated or @file "
-        "(default: sorted folder names, or the folder names as integer labels)",
+        "--follow-links",
+        action="store_true",
+        help="follow symbolic links that lead out of the folder (refused by default)",
     )
     medmnist = sources.add_parser("medmnist", help="a MedMNIST-format .npz")
     medmnist.add_argument("path", help="e.g. bloodmnist.npz (keys train_images, ...)")
@@ -189,14 +260,39 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
             "and resized; required for folders)",
         )
         parser.add_argument(
+            "--classes",
+            help="the federation's classes in label order, comma-separated or @file (one per "
+            "line); stored in the file. Folders default to the sorted folder names, or the "
+            "folder names as integer labels",
+        )
+        parser.add_argument(
             "--num-classes",
             type=int,
-            required=parser is arrays,
-            help="the federation's number of classes",
+            help="the federation's number of classes (arrays: this or --classes)",
         )
         parser.add_argument("--mean", help="per-channel mean of x/255, e.g. 0.286 (agreed)")
         parser.add_argument("--std", help="per-channel std of x/255, e.g. 0.353 (agreed)")
+        parser.add_argument(
+            "--max-side",
+            type=int,
+            default=DEFAULT_MAX_SIDE,
+            help=f"largest H or W --shape may ask for (default {DEFAULT_MAX_SIDE})",
+        )
         parser.add_argument("--force", action="store_true", help="overwrite --out")
     check = sources.add_parser("check", help="validate a site .npz file and summarise it")
     check.add_argument("path")
+    for parser in (folder, medmnist, arrays, check):
+        parser.add_argument(
+            "--max-bytes",
+            type=byte_size,
+            default=DEFAULT_MAX_BYTES,
+            help="largest array (images, labels) a file may hold or a conversion may make, "
+            f"e.g. 8G (default {format_bytes(DEFAULT_MAX_BYTES)})",
+        )
+        parser.add_argument(
+            "--max-classes",
+            type=int,
+            default=DEFAULT_MAX_CLASSES,
+            help=f"most classes a file may declare (default {DEFAULT_MAX_CLASSES})",
+        )
     site.set_defaults(handler=site_data_command)

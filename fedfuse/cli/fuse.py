@@ -20,7 +20,6 @@ from fedfuse.federation.offline import (
     describe_spec,
     fuse_checkpoints,
     fuse_pool,
-    parse_widths,
     run_fusion_set,
     run_pool,
 )
@@ -32,6 +31,12 @@ from fedfuse.fusion import (
 from fedfuse.io.atomic import json_safe
 from fedfuse.io.checkpoint import read_metadata, save_checkpoint
 from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.settings.bounds import (
+    DEFAULT_MAX_FUSED_PARAMETERS,
+    Range,
+    check_model_size,
+    parse_widths,
+)
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -65,6 +70,13 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--target-widths", metavar="W,W,...", help="hidden widths of the fused model"
     )
+    parser.add_argument(
+        "--max-parameters",
+        type=Range(1, 10**12).argument("--max-parameters"),
+        default=DEFAULT_MAX_FUSED_PARAMETERS,
+        help="refuse target widths whose fused model has more parameters, checked before "
+        "anything is allocated (default: %(default)s)",
+    )
     parser.add_argument("--test-data", metavar="SPEC", help="evaluate on this data (same syntax)")
     parser.add_argument(
         "--output",
@@ -88,7 +100,9 @@ def fuse_command(args: argparse.Namespace) -> int:
     if args.progress and "progress" in _accepted(args.method):
         options.setdefault("progress", True)
     fusion = make_fusion_method(args.method, **options)
-    widths = parse_widths(args.target_widths) if args.target_widths else None
+    widths = None
+    if args.target_widths:
+        widths = tuple(parse_widths(args.target_widths, "--target-widths"))
     fusion_spec = FusionSetSpec.parse(args.fusion_data) if args.fusion_data else None
     test_spec = FusionSetSpec.parse(args.test_data) if args.test_data else None
     run_dir = Path(args.checkpoints[0]) if len(args.checkpoints) == 1 else None
@@ -103,6 +117,7 @@ def fuse_command(args: argparse.Namespace) -> int:
 
     if run_dir is not None:
         pool, store, settings = run_pool(run_dir)
+        _check_target(pool.spec, widths, args.max_parameters)
         sources = [str(e.path) for e in store.entries]
         fusion_data = fusion_spec.load() if fusion_spec else None
         if fusion_data is None and settings is not None:  # the run's own fusion set
@@ -119,15 +134,12 @@ def fuse_command(args: argparse.Namespace) -> int:
         )
         base_models: Sequence[LeveledModel] = pool.models
     else:
+        _check_target(_first_spec(args.checkpoints[0]), widths, args.max_parameters)
         fusion_data = fusion_spec.load() if fusion_spec else None
         test_data = test_spec.load() if test_spec else None
-        if test_data is not None:  # fail before fusing when the first checkpoint's spec is readable
-            try:
-                first = ModelSpec.from_dict(read_metadata(args.checkpoints[0]).get("model"))
-            except (ValueError, AttributeError):
-                first = None  # fuse_checkpoints reports the broken file
-            if first is not None:
-                check_data_fits(test_data, first, f"test data {args.test_data!r}")
+        first = _first_spec(args.checkpoints[0])
+        if test_data is not None and first is not None:  # fail before fusing
+            check_data_fits(test_data, first, f"test data {args.test_data!r}")
         result, checkpoints = fuse_checkpoints(
             args.checkpoints,
             args.method,
@@ -167,6 +179,31 @@ def fuse_command(args: argparse.Namespace) -> int:
         print(format_accuracy_table(evaluation))
     print(f"fused checkpoint: {output}")
     return 0
+
+
+def _first_spec(path: str) -> ModelSpec | None:
+    """The model spec a checkpoint's metadata records (None when it cannot be read: loading
+    the checkpoint then reports the broken file)."""
+    try:
+        return ModelSpec.from_dict(read_metadata(path).get("model"))
+    except (ValueError, AttributeError, OSError):
+        return None
+
+
+def _check_target(
+    spec: ModelSpec | None, widths: tuple[int, ...] | None, max_parameters: int
+) -> None:
+    """Refuse target widths whose fused model is over ``max_parameters``, before allocation."""
+    if spec is None or widths is None:
+        return
+    try:
+        target = spec.with_widths(widths)
+    except ValueError:
+        return  # the fusion reports widths that do not fit the architecture
+    text = ",".join(map(str, widths))
+    check_model_size(
+        target, max_parameters, f"--target-widths {text}: the fused {spec.arch}", "--max-parameters"
+    )
 
 
 def _default_output(run_dir: Path | None, method: str) -> Path:

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from fedfuse.cli import deploy, fuse, methods, run_app, simulate
+from fedfuse.cli import deploy, fuse, methods, predict, run_app, simulate, status
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     fuse.register_cli(commands)
     methods.register_cli(commands)
     deploy.register_cli(commands)
+    status.register_cli(commands)
+    predict.register_cli(commands)
     for name, text in HYDRA_COMMANDS.items():  # parsed by Hydra, see main()
         commands.add_parser(name, help=text, add_help=False)
     commands.add_parser(
@@ -126,7 +128,7 @@ def _delegate(command: str, rest: list[str]) -> int:
             print(f"usage: fedfuse bench <preset> [overrides]; presets: {names}", file=sys.stderr)
             return 2
         rest = ["-m", f"experiment={rest[0]}", *rest[1:]]
-    return compare.main(rest)
+    return compare.main(rest, prog=f"fedfuse {command}")
 
 
 def main(argv: list[str] | None = None) -> int:

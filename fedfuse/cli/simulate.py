@@ -21,8 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.federation.simulation import flower_environment, stop_process_tree, superlink_pids
+from fedfuse.settings.bounds import Range
 
 log = logging.getLogger(__name__)
+
+#: a duration on the command line (``--timeout``): positive seconds, at most about 4 months
+SECONDS = Range(0, 10**7, integer=False, open_low=True)
 
 
 def _find_app(app: str | None) -> Path:
@@ -44,7 +48,7 @@ def _run_finished(results: Path, started: datetime) -> bool:
         begun = datetime.fromisoformat(report.get("started_at", "1970-01-01T00:00:00+00:00"))
     except (OSError, ValueError, AttributeError):
         return False
-    return begun >= started and report.get("status") in ("ok", "partial", "failed")
+    return begun >= started and report.get("status") in ("ok", "partial", "failed", "stopped")
 
 
 def simulation_run_config(
@@ -125,16 +129,24 @@ def _wait_for_run(
 
 
 def check_simulation(config: dict[str, Any], num_clients: int) -> None:
-    """Fail fast, before Flower starts: the run config must parse (no unknown keys) and every
-    listed fusion method must be able to fuse ``num_clients`` sites."""
+    """Fail fast, before Flower starts: the run config must parse (no unknown keys, every value
+    in range), every listed fusion method must be able to fuse ``num_clients`` sites, and
+    requested fused widths must fit the sites' model and the size limit."""
     from fedfuse.settings.run import RunSettings
 
     # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
-    methods = RunSettings.from_config(config).fusion_methods()
+    settings = RunSettings.from_config(config)
+    methods = settings.fusion_methods()
+    spec = target = None
+    if settings.fused_widths.strip():  # the sites' spec needs the data's shape: load it
+        from fedfuse.federation.scenario import Scenario
+
+        spec = Scenario(settings, num_clients).model_spec()
+        target = settings.fused_spec(spec)
     problems = []
     for method in methods:
         try:
-            method.check_run(num_clients)
+            method.check_run(num_clients, spec, target=target)
         except ValueError as error:
             problems.append(str(error))
     if problems:
@@ -165,18 +177,9 @@ def simulate(args: argparse.Namespace) -> int:
     """Run the app as a local simulation and report its result file's status."""
     from fedfuse.federation.evaluation import format_run_summary
 
-    if args.num_clients is not None and args.num_clients < 2:
-        raise ValueError(f"--num-clients must be at least 2, got {args.num_clients}")
     if not args.overrides:
         args.num_clients = args.num_clients or 2
-    if args.gpus_per_client < 0 or args.cpus_per_client < 1:
-        raise ValueError("--cpus-per-client must be >= 1 and --gpus-per-client >= 0")
     app = _find_app(args.app)
-    env, flwr = flower_environment()
-    control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
-    running_before = set(superlink_pids(control_port))
-
-    started = datetime.now(UTC)
     run_config = args.run_config
     if args.overrides:
         run_config, sites = _run_config_from_overrides(args.overrides, args.run_config)
@@ -191,6 +194,10 @@ def simulate(args: argparse.Namespace) -> int:
     output_dir = Path(config["output-dir"])
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
+    env, flwr = flower_environment()  # only once the run config is known to be good
+    control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
+    running_before = set(superlink_pids(control_port))
+    started = datetime.now(UTC)
     federation = (
         f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
         f"client-resources-num-gpus={args.gpus_per_client}"
@@ -286,20 +293,34 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         help="Hydra overrides of configs/compare.yaml (e.g. partition=dirichlet sites=4 "
         "method=regmean); they set the run config, --run-config adds Flower-only keys",
     )
-    sim.add_argument("--num-clients", type=int, help="sites (default: sites= or 2)")
-    sim.add_argument("--cpus-per-client", type=int, default=1, help="CPU cores per site")
+    sim.add_argument(
+        "--num-clients",
+        type=Range(2, 100_000).argument("--num-clients"),
+        help="sites (default: sites= or 2)",
+    )
+    sim.add_argument(
+        "--cpus-per-client",
+        type=Range(1, 1_024).argument("--cpus-per-client"),
+        default=1,
+        help="CPU cores per site",
+    )
     sim.add_argument(
         "--gpus-per-client",
-        type=float,
+        type=Range(0, 64, integer=False).argument("--gpus-per-client"),
         default=0.0,
         help="GPU share per site (e.g. 0.25: four sites per GPU); needs CUDA and device=auto/cuda",
     )
     sim.add_argument("--output-dir", default=None, help="where run folders go (default: outputs)")
     sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')
-    sim.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    sim.add_argument(
+        "--timeout",
+        type=SECONDS.argument("--timeout"),
+        default=3600.0,
+        help="seconds for the whole run",
+    )
     sim.add_argument(
         "--grace",
-        type=float,
+        type=Range(0, 10**7, integer=False).argument("--grace"),
         default=20.0,
         help="seconds Flower may go on after the run wrote its results (e.g. waiting on a hung "
         "site) before the simulation is stopped",

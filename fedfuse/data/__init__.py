@@ -13,7 +13,7 @@ from fedfuse.data._common import (
     DatasetNotFoundError,
     resolve_data_root,
 )
-from fedfuse.data.arrays import load_npz_dataset, save_npz_dataset
+from fedfuse.data.arrays import check_npz_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.data.cifar import UnsafePickleError, safe_pickle_load
 from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz
 from fedfuse.data.dataset import ImageDataset
@@ -28,6 +28,7 @@ __all__ = [
     "ImageDataset",
     "UnsafePickleError",
     "available_datasets",
+    "check_npz_dataset",
     "from_arrays",
     "from_image_folder",
     "from_medmnist_npz",

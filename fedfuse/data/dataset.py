@@ -55,6 +55,8 @@ class ImageDataset(Dataset):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     name: str = ""
+    #: The classes' names in label order, when known (e.g. from a site file's ``class_names``).
+    class_names: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         who = f"ImageDataset {self.name!r}" if self.name else "ImageDataset"
@@ -85,6 +87,13 @@ class ImageDataset(Dataset):
                 f"{who}: expected labels in [0, {self.num_classes - 1}], "
                 f"found range [{int(y.min())}, {int(y.max())}]"
             )
+        if self.class_names is not None:
+            names = tuple(self.class_names)
+            if len(names) != self.num_classes or not all(isinstance(n, str) for n in names):
+                raise ValueError(
+                    f"{who}: expected {self.num_classes} class names (text), found {len(names)}"
+                )
+            object.__setattr__(self, "class_names", names)
         c = x.shape[1]
         mean, std = tuple(float(m) for m in self.mean), tuple(float(s) for s in self.std)
         if len(mean) != c or len(std) != c:
@@ -129,6 +138,7 @@ class ImageDataset(Dataset):
             mean=self.mean,
             std=self.std,
             name=self.name,
+            class_names=self.class_names,
         )
 
     def inputs(self, indices: IndexLike | None = None) -> torch.Tensor:

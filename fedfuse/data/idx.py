@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import os
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
 from fedfuse.data._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
 from fedfuse.data.dataset import ImageDataset
+from fedfuse.data.npyfile import DEFAULT_MAX_BYTES
 
 __all__ = ["read_idx", "load_fashion_mnist", "load_mnist"]
 
@@ -31,42 +34,57 @@ FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
 _PREFIX = {"train": "train", "test": "t10k"}
 
 
-def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+def read_idx(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
     """Read an idx file (plain or gzip-compressed) of unsigned bytes into a uint8 array.
 
     Raises ``DataFormatError`` naming the file if it is truncated, corrupt, or not a
     ubyte idx file, so a bad download is reported instead of silently yielding garbage.
+    The dimensions are checked against ``max_bytes`` before the data is read, and gzip data is
+    decompressed only as far as they say (so a gzip bomb is not expanded).
     """
     path = Path(path)
-    raw = path.read_bytes()
-    if raw[:2] == _GZIP_MAGIC:
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise DataFormatError(f"{path}: corrupt or truncated gzip data ({e})") from e
-    if len(raw) < 4:
-        raise DataFormatError(f"{path}: file too short ({len(raw)} bytes) for an idx header")
-    zero, dtype, ndim = int.from_bytes(raw[:2], "big"), raw[2], raw[3]
+    with path.open("rb") as handle:
+        compressed = handle.read(2) == _GZIP_MAGIC
+    try:
+        with gzip.open(path, "rb") if compressed else path.open("rb") as handle:
+            return _read_idx_stream(handle, path, max_bytes)
+    except (OSError, EOFError, zlib.error) as e:
+        if not compressed:
+            raise
+        raise DataFormatError(f"{path}: corrupt or truncated gzip data ({e})") from e
+
+
+def _read_idx_stream(handle: BinaryIO, path: Path, max_bytes: int) -> np.ndarray:
+    magic = handle.read(4)
+    if len(magic) < 4:
+        raise DataFormatError(f"{path}: file too short ({len(magic)} bytes) for an idx header")
+    zero, dtype, ndim = int.from_bytes(magic[:2], "big"), magic[2], magic[3]
     if zero != 0 or ndim == 0:
         raise DataFormatError(
-            f"{path}: bad idx magic number 0x{raw[:4].hex()} (expected 0x0000<dtype><ndim>)"
+            f"{path}: bad idx magic number 0x{magic.hex()} (expected 0x0000<dtype><ndim>)"
         )
     if dtype != _UBYTE:
         raise DataFormatError(
             f"{path}: unsupported idx dtype 0x{dtype:02x} (expected 0x08, unsigned byte)"
         )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataFormatError(f"{path}: truncated idx header (expected {header} bytes)")
-    dims = tuple(int.from_bytes(raw[4 + 4 * k : 8 + 4 * k], "big") for k in range(ndim))
-    expected = int(np.prod(dims, dtype=np.int64))
-    found = len(raw) - header
+    raw_dims = handle.read(4 * ndim)
+    if len(raw_dims) < 4 * ndim:
+        raise DataFormatError(f"{path}: truncated idx header (expected {4 + 4 * ndim} bytes)")
+    dims = tuple(int.from_bytes(raw_dims[4 * k : 4 + 4 * k], "big") for k in range(ndim))
+    expected = math.prod(dims)
+    if expected > max_bytes:
+        raise DataFormatError(
+            f"{path}: idx dims {dims} claim {expected} bytes; the limit is {max_bytes} (max_bytes)"
+        )
+    data = handle.read(expected + 1)
+    found = len(data)
     if found != expected:
         kind = "truncated" if found < expected else "has trailing data"
+        shown = found if found < expected else f"more than {expected}"
         raise DataFormatError(
-            f"{path}: idx file {kind}: dims {dims} need {expected} data bytes, found {found}"
+            f"{path}: idx file {kind}: dims {dims} need {expected} data bytes, found {shown}"
         )
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims).copy()
+    return np.frombuffer(data, dtype=np.uint8).reshape(dims).copy()
 
 
 def _find_file(directory: Path, stem: str) -> Path | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from fedfuse.data._common import DataFormatError, DatasetNotFoundError, check_split, root_hint
 from fedfuse.data.dataset import ImageDataset
+from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, NpzReader, is_npy
 
 __all__ = ["load_medmnist", "medmnist_flags", "read_medmnist_npz", "unsupported_medmnist"]
 
@@ -67,28 +67,46 @@ def unsupported_medmnist() -> dict[str, str]:
 
 
 def read_medmnist_npz(
-    path: str | os.PathLike[str], split: str, n_channels: int | None = None
+    path: str | os.PathLike[str],
+    split: str,
+    n_channels: int | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read ``<split>_images`` / ``<split>_labels`` from a MedMNIST npz (no pickle allowed).
 
-    Returns images as uint8 (N, C, H, W) and labels as int64 (N,).
+    Each array's header is checked against the file and ``max_bytes`` before it is read (see
+    :class:`fedfuse.data.npyfile.NpzReader`). Returns images as uint8 (N, C, H, W) and labels
+    as int64 (N,).
     """
     path = Path(path)
     img_key, lab_key = f"{split}_images", f"{split}_labels"
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise DataFormatError(f"{path}: not a readable npz file ({e})") from e
-    if not isinstance(npz, np.lib.npyio.NpzFile):
+    if is_npy(path):
         raise DataFormatError(f"{path}: expected an npz archive, found a single .npy array")
+    try:
+        npz = NpzReader(path, max_bytes=max_bytes)
+    except DataFormatError as error:
+        reason = str(error).removeprefix(f"{path}: not a readable .npz archive ")
+        raise DataFormatError(f"{path}: not a readable npz file {reason}") from None
     with npz:
         missing = [k for k in (img_key, lab_key) if k not in npz.files]
         if missing:
             raise DataFormatError(f"{path}: missing keys {missing} (found {npz.files})")
-        try:
-            images, labels = npz[img_key], npz[lab_key]
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise DataFormatError(f"{path}: corrupt array in npz ({e})") from e
+        images_header, labels_header = npz.header(img_key), npz.header(lab_key)
+        if images_header.dtype != np.uint8 or not (
+            len(images_header.shape) == 3
+            or (len(images_header.shape) == 4 and images_header.shape[-1] == 3)
+        ):
+            raise DataFormatError(
+                f"{path}: expected {img_key} uint8 of shape (N, H, W) or (N, H, W, 3), "
+                f"found {images_header.dtype} {images_header.shape}"
+            )
+        if labels_header.shape[:1] != images_header.shape[:1]:
+            raise DataFormatError(
+                f"{path}: expected {lab_key} integer of shape ({images_header.shape[0]}, 1), "
+                f"found {labels_header.dtype} {labels_header.shape}"
+            )
+        images, labels = npz.read(img_key), npz.read(lab_key)
     if images.dtype != np.uint8 or not (
         images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 3)
     ):

@@ -522,13 +522,25 @@ def _record_invocation(sweep_dir: Path, argv: list[str], started: datetime, seco
     write_json(path, document)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``fedfuse compare [hydra args and overrides]`` (Hydra parses ``argv``)."""
+class ConfigError(SystemExit):
+    """A job's config is invalid: the sweep stops, reported in one line (a SystemExit, so that
+    Hydra, which turns a job's exceptions into tracebacks, lets it through)."""
+
+
+def main(argv: list[str] | None = None, prog: str = "fedfuse compare") -> int:
+    """``fedfuse compare [hydra args and overrides]`` (Hydra parses ``argv``). Config errors
+    (an unknown key or option, a value out of range) end in one line on stderr, exit 2."""
     import hydra
 
     from fedfuse.runtime import configure_logging
+    from fedfuse.settings.hydra import validate_overrides
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        hydra_argv = validate_overrides(argv)
+    except ValueError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
     configure_logging()
     started, clock = datetime.now(UTC), time.perf_counter()
     sweep_dirs: set[Path] = set()
@@ -536,14 +548,21 @@ def main(argv: list[str] | None = None) -> int:
     @hydra.main(config_path="pkg://fedfuse.configs", config_name="compare", version_base=None)
     def app(cfg: DictConfig) -> float | None:
         configure_logging()  # Hydra reconfigures logging per job
-        row = run_job(cfg)
+        try:
+            row = run_job(cfg)  # a job's own failure is a row: what escapes is a config error
+        except ValueError as error:
+            text = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+            raise ConfigError(text) from None
         sweep_dirs.add(Path(str(cfg.output_dir)).expanduser().resolve() / str(cfg.sweep))
         return row.get("accuracy")
 
     saved = sys.argv
-    sys.argv = ["fedfuse compare", *argv]
+    sys.argv = [prog, *hydra_argv]
     try:
         app()
+    except ConfigError as error:
+        print(f"{prog}: error: {error.code}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     for sweep_dir in sweep_dirs:

@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 
 from fedfuse.federation.simulation import simulate_command
+from fedfuse.settings.bounds import Range
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,17 @@ def _num(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{float(value):.{digits}f}"
 
 
+def check_run_config(run_config: str) -> None:
+    """Raise ValueError in one line unless ``run_config`` ("key=value ...") parses into run
+    settings: known keys, values in range, known methods."""
+    from flwr.common.config import parse_config_args
+
+    from fedfuse.settings.run import RunSettings
+
+    config = parse_config_args([run_config]) if run_config.strip() else {}
+    RunSettings.from_config(config).fusion_methods()
+
+
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``scale`` subcommand."""
     parser = subparsers.add_parser(
@@ -241,8 +253,15 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         help="comma-separated site counts (default: %(default)s)",
     )
     parser.add_argument("--run-config", default=DEFAULT_RUN_CONFIG, help="(default: %(default)s)")
-    parser.add_argument("--cpus-per-client", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument(
+        "--cpus-per-client", type=Range(1, 1_024).argument("--cpus-per-client"), default=1
+    )
+    parser.add_argument(
+        "--timeout",
+        type=Range(0, 10**7, integer=False, open_low=True).argument("--timeout"),
+        default=3600.0,
+        help="seconds per run",
+    )
     parser.add_argument("--output-dir", default="bench-results/scale")
     parser.set_defaults(handler=scale_command)
     return parser
@@ -254,8 +273,9 @@ def scale_command(args: argparse.Namespace) -> int:
         sizes = [int(s) for s in args.sites.split(",") if s.strip()]
     except ValueError:
         raise ValueError(f"--sites must be comma-separated integers, got {args.sites!r}") from None
-    if not sizes or min(sizes) < 2:
-        raise ValueError(f"--sites must list site counts >= 2, got {args.sites!r}")
+    if not sizes or min(sizes) < 2 or max(sizes) > 100_000:
+        raise ValueError(f"--sites must list site counts in [2, 100000], got {args.sites!r}")
+    check_run_config(args.run_config)  # before the first run starts
     output_dir = Path(args.output_dir).expanduser().resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     rows = []

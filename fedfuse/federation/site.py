@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
+from fedfuse.federation.contract import DataContract
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
@@ -70,6 +71,8 @@ def train_site(
     data_path: str | None = None,
     send_grams: bool | None = None,
     cache: TrainedSiteCache | None = None,
+    contract: DataContract | None = None,
+    site_name: str = "",
 ) -> ClientUpload:
     """Train the site's model and score its neurons on the site's own data.
 
@@ -84,12 +87,18 @@ def train_site(
             (:meth:`~fedfuse.settings.run.RunSettings.fusion_methods`) reads them.
         cache: where the trained site is kept between runs (None: it is not kept); a kept
             model and its scores and Grams are reused instead of computed again.
+        contract: the run's data contract: the site's data is checked against it before
+            anything is trained (None: no check).
+        site_name: the site's name, for its logs and its upload ("": ``client <id>``).
+
+    Raises:
+        SiteRefusal: the site's data breaks ``contract`` (nothing was trained).
     """
     limit_threads(settings.threads)
     seed = client_seed(settings, partition_id)
     seed_everything(seed)
     clock = _PhaseClock()
-    name = f"client {partition_id}"
+    name = site_name or f"client {partition_id}"
     if send_grams is None:
         send_grams = needs_grams(settings.fusion_methods())
     cached = cache.load() if cache is not None else None
@@ -102,6 +111,9 @@ def train_site(
             clock.lap("load")
         return data
 
+    if contract is not None and (data_path or cached is None):
+        where = f" ({data_path})" if data_path else ""
+        contract.check(site_data(), source=f"{name}'s data{where}")
     if cached is not None:
         log.info("%s: trained model loaded from %s", name, cache)
         model, facts = cached.model, cached.facts
@@ -142,6 +154,7 @@ def train_site(
         train_loss=float(facts["train_loss"]),
         grams=grams,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
+        site_name=site_name,
     )
 
 

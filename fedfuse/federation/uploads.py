@@ -59,6 +59,8 @@ class ClientUpload:
     grams: dict[int, torch.Tensor] | None = None
     #: wall time of the site's phases (load, train, score, grams), as the site reported it
     seconds: dict[str, float] = field(default_factory=dict)
+    #: the site's name (its SuperNode's ``site-name`` node config; "" when it gave none)
+    site_name: str = ""
 
     def payload_bytes(self) -> int:
         """Bytes of the tensors the site uploads: weights, scores and Grams when sent."""
@@ -80,6 +82,7 @@ class ClientUpload:
     def facts(self) -> dict[str, Any]:
         """The site's facts, JSON-ready (what results files and checkpoint metadata record)."""
         return {
+            "site_name": self.site_name,
             "upload_bytes": self.payload_bytes(),
             "upload_parts": self.payload_parts(),
             "partition_id": self.partition_id,

@@ -52,8 +52,6 @@ class _Averaging(FusionMethod):
     def __init__(
         self, reset_batchnorm: bool = False, device: str = "auto", batch_size: int = 256
     ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.reset_batchnorm = reset_batchnorm
         self.device = device
         self.batch_size = batch_size

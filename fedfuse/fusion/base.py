@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked, check_option_bounds
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
 from fedfuse.runtime import check_device
@@ -72,6 +73,20 @@ class FusionMethod(ABC):
     #: whether every level with neurons must be affine (parameter-free ops, then one Linear or
     #: Conv2d), as closed-form refits and Gram-based merges need
     needs_affine_levels: ClassVar[bool] = False
+    #: allowed ranges of this method's options where they differ from :data:`OPTION_BOUNDS`
+    option_bounds: ClassVar[Mapping[str, tuple[float, float]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every constructor checks its count options against :meth:`option_range` first."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_checks_bounds", False):
+            cls.__init__ = bounds_checked(init)  # type: ignore[method-assign]
+
+    @classmethod
+    def option_range(cls, option: str) -> tuple[float, float] | None:
+        """The allowed ``(low, high)`` of a numeric option (None: unbounded)."""
+        return cls.option_bounds.get(option, OPTION_BOUNDS.get(option))
 
     def fuse(
         self,
@@ -405,6 +420,7 @@ def _check_option_types(cls: type[FusionMethod], options: dict[str, Any]) -> Non
                 check_device(value)
             except ValueError as error:
                 raise ValueError(f"fusion method {cls.name!r}: option {error}") from None
+    check_option_bounds(cls, options)
 
 
 def _check_options(cls: type[FusionMethod], options: dict[str, Any]) -> None:

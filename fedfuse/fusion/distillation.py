@@ -460,8 +460,6 @@ class LinearProbe(FusionMethod):
     ) -> None:
         if target not in PROBE_TARGETS:
             raise ValueError(f"target must be one of {PROBE_TARGETS}, got {target!r}")
-        if body < 0:
-            raise ValueError(f"body must be a model index >= 0, got {body}")
         _check_settings(
             optimizer,
             lr,

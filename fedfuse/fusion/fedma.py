@@ -358,12 +358,6 @@ class FedMAMatching(FusionMethod):
             raise ValueError(
                 f"fedma: sigma, sigma0 and gamma must be positive, got {sigma}, {sigma0}, {gamma}"
             )
-        if iterations < 0 or max_width < 0:
-            raise ValueError(
-                f"fedma: iterations and max_width must be >= 0, got {iterations}, {max_width}"
-            )
-        if not width_factor >= 1:
-            raise ValueError(f"fedma: width_factor must be >= 1, got {width_factor}")
         self.sigma = float(sigma)
         self.sigma0 = float(sigma0)
         self.gamma = float(gamma)

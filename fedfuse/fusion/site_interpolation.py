@@ -104,16 +104,12 @@ class SiteInterpolation(FusionMethod):
         seed: int = 0,
         progress: bool = False,
     ) -> None:
-        if gram_rank is not None and gram_rank < 1:
-            raise ValueError(f"gram_rank must be >= 1 or None, got {gram_rank}")
         if grouping not in ("hungarian", "kmeans"):
             raise ValueError(f"grouping must be 'hungarian' or 'kmeans', got {grouping!r}")
         if ridge is not None and not ridge >= 0:
             raise ValueError(f"ridge must be >= 0 or None, got {ridge}")
         if statistics_dtype not in STATISTICS_DTYPES:
             raise ValueError(f"statistics_dtype must be one of {sorted(STATISTICS_DTYPES)}")
-        if max_samples is not None and max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
         self.grouping = grouping
         self.use_scores = use_scores
         self.score_normalization = score_normalization

@@ -272,7 +272,12 @@ def settings_from_config(cfg: DictConfig, method: FusionMethod | None = None) ->
     values["strategy"] = method.name
     values["fusion-options"] = _fusion_options(method)
     values["min-nodes"] = int(cfg.sites)
-    return RunSettings.from_config(values)
+    try:
+        return RunSettings.from_config(values)
+    except ValueError as error:  # name the Hydra key the user wrote
+        text = str(error)
+        paths = [k.path for k in KEYS if f" {k.field.replace('_', '-')}=" in text]
+        raise ValueError(f"config key {paths[0]}: {text}" if paths else text) from None
 
 
 def overrides_from_settings(settings: RunSettings, sites: int | None = None) -> list[str]:
@@ -331,3 +336,111 @@ def _override_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}:{_override_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
+
+
+#: Hydra's command-line flags that take a value (the value is no override)
+_VALUE_FLAGS = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn"}
+    | {"--config-dir", "-cd", "--experimental-rerun"}
+)
+#: flags after which Hydra only prints help: nothing is composed, so nothing is checked
+_HELP_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--shell-completion", "-sc", "--info"})
+
+
+def config_groups() -> list[str]:
+    """The packaged config groups (``dataset``, ``method``, ``experiment``, ...)."""
+    return sorted(
+        e.name for e in config_dir().iterdir() if e.is_dir() and not e.name.startswith("_")
+    )
+
+
+def _paths(node: Any, prefix: str = "") -> Iterable[str]:
+    """Every key path of a config, inner nodes included."""
+    for key, value in node.items():
+        yield f"{prefix}{key}"
+        if isinstance(value, DictConfig):
+            yield from _paths(value, f"{prefix}{key}.")
+
+
+def _method_options(name: str) -> list[str]:
+    node = compose([f"method={name}"]).method
+    return _method_class(str(node["_target_"])).accepted_options()
+
+
+def validate_overrides(arguments: Sequence[str]) -> list[str]:
+    """Check the overrides among Hydra command-line ``arguments`` before Hydra composes them.
+
+    Raises ValueError in one line for an override that does not parse, an unknown group option
+    (naming the options), an unknown key (naming the closest known ones) or a method option
+    that a chosen method does not take. Returns ``arguments`` with each override of a method
+    option its yaml does not list written ``++method.<option>=...`` (added, else changed).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from fedfuse.settings.bounds import closest
+
+    arguments = list(arguments)
+    if _HELP_FLAGS & set(arguments):
+        return arguments
+    positions, skip = [], False
+    for index, argument in enumerate(arguments):
+        if skip or argument.startswith("-"):
+            skip = not skip and argument in _VALUE_FLAGS
+            continue
+        positions.append(index)
+    parser = OverridesParser.create()
+    overrides = {}
+    for index in positions:
+        try:
+            overrides[index] = parser.parse_override(arguments[index])
+        except HydraException as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else "syntax error"
+            raise ValueError(f"cannot parse override {arguments[index]!r}: {first}") from None
+    groups = config_groups()
+    chosen: dict[str, list[str]] = {}
+    for override in overrides.values():
+        group = override.key_or_group
+        if group not in groups or override.package is not None or override.is_delete():
+            continue
+        values = (
+            list(override.sweep_string_iterator())
+            if override.is_sweep_override()
+            else [override.value()]
+        )
+        options = available_options(group)
+        for value in values:
+            if value is not None and str(value) not in options:
+                raise ValueError(f"unknown {group} {value!r}; choose from: {', '.join(options)}")
+        chosen[group] = [str(v) for v in values if v is not None]
+    try:
+        cfg = compose([f"{group}={values[0]}" for group, values in chosen.items() if values])
+    except HydraException as error:
+        raise ValueError(str(error).strip().splitlines()[0]) from None
+    known = set(_paths(cfg))
+    fedfuse_keys = {k.path for k in KEYS} | set(COMPARE_KEYS)
+    if "method" in chosen:
+        accepted_by = {m: _method_options(m) for m in chosen["method"]}
+    else:
+        cls = _method_class(str(cfg.method["_target_"]))
+        accepted_by = {cls.name: cls.accepted_options()}
+    for index, override in overrides.items():
+        key = override.key_or_group
+        if key in groups or key.split(".")[0].split("/")[0] == "hydra":
+            continue
+        if key.startswith("method."):
+            option = key.removeprefix("method.")
+            for method, accepted in accepted_by.items():
+                if option not in accepted:
+                    raise ValueError(
+                        f"method {method!r} has no option {option!r}; {closest(option, accepted)}"
+                    )
+            if override.type.name == "CHANGE":
+                arguments[index] = "++" + arguments[index]
+            continue
+        if key in known or (override.is_add() and key in fedfuse_keys):
+            continue
+        depth = key.count(".")
+        candidates = [k for k in known if k.count(".") == depth] + ([] if depth else groups)
+        raise ValueError(f"unknown config key {key!r}; {closest(key, candidates)}")
+    return arguments

@@ -28,16 +28,64 @@ from fedfuse.fusion.base import (
     parse_options,
 )
 from fedfuse.models import ModelSpec, build_model, make_spec
+from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import check_device
+from fedfuse.settings.bounds import (
+    DEFAULT_MAX_FUSED_PARAMETERS,
+    Range,
+    check_model_size,
+    closest,
+    parse_widths,
+)
 from fedfuse.training.finetune import FINETUNE_DATA
-from fedfuse.training.loop import TrainConfig
+from fedfuse.training.loop import OPTIMIZERS, TrainConfig
 
 INIT_MODES = ("independent", "shared")
+MODELS = ("mlp", "vgg11", "resnet", "vit")
 #: samples in the server's fusion set (run config ``fusion-samples``, Hydra
 #: ``fusion_set.samples``; the paper's 400)
 DEFAULT_FUSION_SAMPLES = 400
 #: a field's metadata key for a run-config key other than its name with dashes
 RUN_CONFIG_KEY = "run_config_key"
+
+
+#: the allowed values of every numeric field (a test keeps every one listed)
+RANGES: dict[str, Range] = {
+    "dirichlet_alpha_min": Range(0, 1e6, integer=False, open_low=True),
+    "dirichlet_min_max_ratio": Range(0, 1, integer=False, open_low=True),
+    "train_samples": Range(0, 10**9),
+    "seed": Range(0, 10**6),
+    "vgg_width_multiplier": Range(0, 64, integer=False, open_low=True),
+    "local_epochs": Range(0, 10_000),
+    "batch_size": Range(1, 2**20),
+    "lr": Range(0, 100, integer=False, open_low=True),
+    "weight_decay": Range(0, 100, integer=False),
+    "label_smoothing": Range(0, 0.999, integer=False),
+    "score_samples": Range(1, 10**7),
+    "score_steps": Range(1, 10_000),
+    "fusion_samples": Range(1, 10**7),
+    "fusion_augment_copies": Range(0, 1_000),
+    "fusion_augment_padding": Range(0, 1_000),
+    "test_samples": Range(0, 10**9),
+    "min_nodes": Range(1, 10**6),
+    "node_wait_timeout": Range(0, 10**7, integer=False, open_low=True),
+    "reply_timeout": Range(0, 10**7, integer=False, open_low=True),
+    "max_in_flight": Range(0, 10**6),
+    "finetune_epochs": Range(0, 10_000),
+    "finetune_lr": Range(0, 100, integer=False, open_low=True),
+    "finetune_min_lr": Range(0, 100, integer=False),
+    "finetune_label_smoothing": Range(0, 0.999, integer=False),
+    "finetune_restart_epochs": Range(0, 10_000),
+    "threads": Range(0, 1_024),
+}
+#: the allowed values of the fields that name a choice
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model": MODELS,
+    "init": INIT_MODES,
+    "optimizer": OPTIMIZERS,
+    "score_method": SCORE_METHODS,
+    "finetune_data": FINETUNE_DATA,
+}
 
 
 def run_config_key(settings_field: dataclasses.Field) -> str:
@@ -105,36 +153,29 @@ class RunSettings:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.init not in INIT_MODES:
-            raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        """Check every value (type, range or choice), naming its run-config key."""
+        for settings_field in dataclasses.fields(self):
+            if settings_field.name != "extra":
+                _check_field(settings_field, getattr(self, settings_field.name))
+        from fedfuse.partitions import PARTITIONERS
+
+        if self.partitioner not in PARTITIONERS:
+            raise ValueError(
+                f"run config key partitioner={self.partitioner!r} is unknown; choose from: "
+                + ", ".join(sorted(PARTITIONERS))
+            )
         check_device(self.device)
         if self.fusion_source != "all" and not self.fusion_source.isdigit():
             raise ValueError(
                 f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
             )
         self.class_groups()
-        if self.fusion_augment_copies < 0 or self.fusion_augment_padding < 0:
+        self.architecture_options()
+        self.fused_widths_request()
+        if self.finetune_min_lr > self.finetune_lr:
             raise ValueError(
-                "fusion-augment-copies and fusion-augment-padding must be >= 0, got "
-                f"{self.fusion_augment_copies} and {self.fusion_augment_padding}"
-            )
-        if self.finetune_data not in FINETUNE_DATA:
-            raise ValueError(
-                f"finetune-data must be one of {FINETUNE_DATA}, got {self.finetune_data!r}"
-            )
-        if self.finetune_epochs < 0 or self.finetune_restart_epochs < 0:
-            raise ValueError(
-                "finetune-epochs and finetune-restart-epochs must be >= 0, got "
-                f"{self.finetune_epochs} and {self.finetune_restart_epochs}"
-            )
-        if not self.finetune_lr > 0 or not 0 <= self.finetune_min_lr <= self.finetune_lr:
-            raise ValueError(
-                "fine-tuning needs finetune-lr > 0 and 0 <= finetune-min-lr <= finetune-lr, got "
-                f"{self.finetune_lr} and {self.finetune_min_lr}"
-            )
-        if not 0 <= self.finetune_label_smoothing < 1:
-            raise ValueError(
-                f"finetune-label-smoothing must be in [0, 1), got {self.finetune_label_smoothing}"
+                "fine-tuning needs finetune-min-lr <= finetune-lr, got "
+                f"{self.finetune_min_lr} and {self.finetune_lr}"
             )
 
     @classmethod
@@ -147,19 +188,11 @@ class RunSettings:
             if key not in fields:
                 unknown[key] = value
                 continue
-            name = fields[key].name
-            default = fields[key].default
-            try:
-                values[name] = (
-                    _as_bool(value) if isinstance(default, bool) else type(default)(value)
-                )
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"run config key {key!r} must be a {type(default).__name__}, got {value!r}"
-                ) from None
+            values[fields[key].name] = _convert(key, fields[key].default, value)
         if unknown and not allow_unknown:
-            known = sorted(fields)
-            raise ValueError(f"unknown run config key(s) {sorted(unknown)}; known keys: {known}")
+            key = sorted(unknown)[0]
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise ValueError(f"unknown run config key {key!r}{more}; {closest(key, fields)}")
         return cls(**values, extra=unknown)
 
     def to_config(self) -> dict[str, Any]:
@@ -297,13 +330,7 @@ class RunSettings:
 
     def architecture_options(self) -> dict[str, Any]:
         if self.model == "mlp":
-            try:
-                widths = tuple(int(w) for w in self.mlp_widths.split(",") if w.strip())
-            except ValueError:
-                raise ValueError(
-                    f"mlp-widths must be comma-separated integers, got {self.mlp_widths!r}"
-                ) from None
-            return {"widths": widths}
+            return {"widths": tuple(parse_widths(self.mlp_widths, "mlp-widths"))}
         if self.model == "vgg11":
             return {"width_multiplier": self.vgg_width_multiplier}
         if self.model in ("resnet", "vit"):
@@ -311,22 +338,38 @@ class RunSettings:
                 return parse_options(self.model_options)
             except ValueError as error:
                 raise ValueError(f"model-options {self.model_options!r}: {error}") from None
-        raise ValueError(f"unknown model {self.model!r}; choose mlp, vgg11, resnet or vit")
+        raise ValueError(f"unknown model {self.model!r}; choose from: {', '.join(MODELS)}")
 
-    def fused_spec(self, spec: ModelSpec) -> ModelSpec | None:
-        """The fused model's spec for sites of ``spec`` (run key ``fused-widths``): None for the
-        sites' own; ``"0.5x"`` scales every hidden width; ``"w,w,..."`` gives them all."""
+    def fused_widths_request(self) -> float | list[int] | None:
+        """``fused-widths`` checked on its own (no sites' spec needed): None (the sites'
+        widths), a scale of every width (``"0.5x"``), or the widths (``"w,w,..."``)."""
         text = self.fused_widths.strip()
         if not text:
             return None
+        if not text.endswith("x"):
+            return parse_widths(text, "fused-widths")
+        scale = Range(0, 64, integer=False, open_low=True)
         try:
-            if text.endswith("x"):
-                scale = float(text[:-1])
-                if not 0 < scale <= 64:
-                    raise ValueError("a scale must be in (0, 64]")
-                widths = [max(1, round(w * scale)) for w in spec.widths]
-            else:
-                widths = [int(w) for w in text.split(",")]
+            return scale.check("fused-widths scale", float(text[:-1]))
+        except ValueError as error:
+            raise ValueError(f"fused-widths {text!r}: {error}") from None
+
+    def fused_spec(
+        self, spec: ModelSpec, *, max_parameters: int = DEFAULT_MAX_FUSED_PARAMETERS
+    ) -> ModelSpec | None:
+        """The fused model's spec for sites of ``spec`` (run key ``fused-widths``): None for the
+        sites' own; ``"0.5x"`` scales every hidden width; ``"w,w,..."`` gives them all. Its
+        widths and parameter count (at most ``max_parameters``) are checked on the meta
+        device, before anything is allocated."""
+        request = self.fused_widths_request()
+        if request is None:
+            return None
+        text = self.fused_widths.strip()
+        if isinstance(request, float):
+            widths = [max(1, round(w * request)) for w in spec.widths]
+        else:
+            widths = request
+        try:
             target = spec.with_widths(widths)
             build_model(target, device="meta")
         except (ValueError, TypeError) as error:
@@ -334,6 +377,12 @@ class RunSettings:
                 f"fused-widths {text!r} does not fit the sites' {spec.arch} "
                 f"(widths {list(spec.widths)}): {error}"
             ) from None
+        check_model_size(
+            target,
+            max_parameters,
+            f"fused-widths {text!r}: the fused {spec.arch}",
+            "max_parameters, fedfuse fuse --max-parameters",
+        )
         return None if target == spec else target
 
 
@@ -351,6 +400,54 @@ def finetune_seed(settings: RunSettings, partition_id: int | None = None) -> int
     """Seed of fine-tuning after fusion: on the fusion set (``partition_id`` None) or on a site."""
     base = initial_seed(settings) if partition_id is None else client_seed(settings, partition_id)
     return 1_000_000_007 + base
+
+
+def _convert(key: str, default: Any, value: Any) -> Any:
+    """A run-config value as its field's type (the default's); an error names the key."""
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    try:
+        if isinstance(default, bool):
+            return _as_bool(value)
+        if isinstance(value, bool):
+            pass  # a boolean is no number
+        elif isinstance(default, int) and (
+            isinstance(value, str | int) or isinstance(value, float) and value.is_integer()
+        ):
+            return int(value)
+        elif isinstance(default, float) and isinstance(value, int | float | str):
+            return float(value)
+        if isinstance(default, str | dict):
+            return type(default)(value)
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(
+        f"run config key {key}={value!r} must be {kind.get(type(default), type(default).__name__)}"
+    )
+
+
+def _check_field(settings_field: dataclasses.Field, value: Any) -> None:
+    """Raise ValueError naming the run-config key unless ``value`` has the field's type and
+    lies in its :data:`RANGES` or :data:`CHOICES`."""
+    key = run_config_key(settings_field)
+    default = settings_field.default
+    if isinstance(default, bool):
+        fits = isinstance(value, bool)
+    elif isinstance(default, int):
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        fits = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        fits = isinstance(value, type(default))
+    if not fits:
+        raise ValueError(f"run config key {key}={value!r} must be a {type(default).__name__}")
+    bound = RANGES.get(settings_field.name)
+    if bound is not None and not bound.contains(value):
+        raise ValueError(f"run config key {key}={value!r} is out of range; allowed: {bound}")
+    choices = CHOICES.get(settings_field.name)
+    if choices is not None and value not in choices:
+        raise ValueError(
+            f"run config key {key}={value!r} is unknown; choose from: {', '.join(choices)}"
+        )
 
 
 def _as_bool(value: Any) -> bool:

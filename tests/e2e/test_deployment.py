@@ -1,10 +1,10 @@
-"""End to end: a real deployment on 127.0.0.1, as docs/deployment.md describes it.
+"""End to end: a real deployment on 127.0.0.1 refuses SuperNodes it does not know.
 
 Flower's own ``flower-superlink`` (TLS with certificates from ``fedfuse certs``, SuperNode
-authentication on), two ``flower-supernode`` processes that authenticate with keys from
-``fedfuse keys`` and read Fashion-MNIST site files, ``flwr supernode register`` and
-``flwr run <repo> <connection>``; the server's fusion and test sets are files given by path.
-Every process is started in its own session and stopped, with everything it spawned, at the end.
+authentication on), ``flwr supernode register`` and ``flower-supernode`` processes with keys
+from ``fedfuse keys``, one of them unregistered and one without a key. Every process is started
+in its own session and stopped, with everything it spawned, at the end. The guide's whole
+deployment (two sites, one run) is tests/e2e/test_deployment_guide.py.
 """
 
 from __future__ import annotations
@@ -20,46 +20,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from fedfuse.data import load_dataset, load_npz_dataset, save_npz_dataset
-from fedfuse.io.checkpoint import load_checkpoint
-from fedfuse.training.loop import evaluate
-from tests.helpers import free_port
+from fedfuse.data import load_dataset, save_npz_dataset
+from tests.helpers import descendants, free_port
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONNECTION = "fedfuse-test"
-SITE_SAMPLES = 1000
-RUN_CONFIG = (
-    "local-epochs=2 score-samples=64 score-steps=4 test-samples=1000 mlp-widths='64,64' "
-    "strategy='kf-linear,fedavg' node-wait-timeout=240.0 reply-timeout=600.0"
-)
 
 
 def _accepts(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
     return False
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of ``pid`` (from /proc; Linux)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -135,7 +110,7 @@ class Deployment:
         pids = {
             pid
             for process in self.processes.values()
-            for pid in [process.pid, *_descendants(process.pid)]
+            for pid in [process.pid, *descendants(process.pid)]
         }
         for process in self.processes.values():
             with contextlib.suppress(ProcessLookupError):
@@ -217,85 +192,6 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
         deployment.stop_all()
     leftover = [p for p in deployment.processes.values() if p.poll() is None]
     assert not leftover, f"processes still running: {[p.args[0] for p in leftover]}"
-
-
-def _write_site_files(root: Path) -> dict[str, Path]:
-    """Two class-disjoint hospital sites, the server's fusion set and test set (Fashion-MNIST)."""
-    train = load_dataset("fashion-mnist", "train")
-    test = load_dataset("fashion-mnist", "test")
-    rng = np.random.default_rng(0)
-    labels = train.labels.numpy()
-    files = {}
-    for site, classes in ((0, range(0, 5)), (1, range(5, 10))):
-        pool = np.flatnonzero(np.isin(labels, list(classes)))
-        index = np.sort(rng.choice(pool, SITE_SAMPLES, replace=False))
-        files[f"site-{site}"] = save_npz_dataset(root / f"site-{site}.npz", train.subset(index))
-    fusion = np.sort(rng.choice(len(train), 300, replace=False))
-    files["fusion"] = save_npz_dataset(root / "fusion.npz", train.subset(fusion))
-    files["test"] = save_npz_dataset(root / "test.npz", test.subset(np.arange(1000)))
-    return files
-
-
-def test_two_hospitals_over_tls_with_supernode_auth(deployment: Deployment, tmp_path: Path):
-    data = _write_site_files(tmp_path / "data")
-    port = deployment.start_superlink()
-    keys = tmp_path / "keys"
-    deployment.fedfuse("keys", "--out", str(keys), "site-0", "site-1")
-    node_ids = [deployment.register(keys / f"site-{i}.pub") for i in range(2)]
-    assert len(set(node_ids)) == 2
-    for i in range(2):
-        deployment.start_supernode(
-            f"supernode-{i}",
-            port,
-            keys / f"site-{i}.key",
-            f"partition-id={i} data-path='{data[f'site-{i}']}'",
-        )
-    out = tmp_path / "outputs"
-    run_config = (
-        f"{RUN_CONFIG} fusion-data='{data['fusion']}' test-data='{data['test']}' output-dir='{out}'"
-    )
-    # `flwr run` exits 0 even when the run failed: the result file tells
-    flwr_run = deployment.run(
-        [str(BIN / "flwr"), "run", str(REPO), CONNECTION, "--stream", "--run-config", run_config],
-        timeout=600,
-    )
-    results = out / "latest" / "results.json"
-    deadline = time.monotonic() + 60
-    while not results.is_file() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    context = f"\n----- flwr run -----\n{flwr_run.stdout[-4000:]}\n{deployment.report()}"
-    assert results.is_file(), f"no {results}{context}"
-    report = json.loads(results.read_text())
-    assert report["status"] == "ok", f"{report.get('error')}{context}"
-    for name in ("supernode-0", "supernode-1"):
-        assert deployment.processes[name].poll() is None, f"{name} stopped{context}"
-
-    # the uploads: one per site, each from its own file (deployment: no simulated partitions)
-    assert report["rejected"] == []
-    clients = sorted(report["clients"], key=lambda c: c["partition_id"])
-    assert [c["partition_id"] for c in clients] == [0, 1]
-    assert all(c["num_examples"] == SITE_SAMPLES for c in clients)
-    held = [{k for k, n in enumerate(c["class_counts"]) if n} for c in clients]
-    assert held == [set(range(5)), set(range(5, 10))]
-    assert report["settings"]["fusion-data"] == str(data["fusion"])
-    assert report["settings"]["test-data"] == str(data["test"])
-
-    # the fused model: a checkpoint that loads and is the model that was evaluated
-    assert list(report["fusions"]) == ["kf-linear", "fedavg"]
-    accuracy = report["accuracy"]
-    assert all(b["accuracy"] <= 0.55 for b in accuracy["base"])  # each site knows 5 classes
-    assert accuracy["fused"]["kf-linear"]["accuracy"] > 0.3, accuracy
-    fused = load_checkpoint(report["fusions"]["kf-linear"]["checkpoint"])
-    assert fused.metadata["strategy"] == "kf-linear"
-    assert fused.model.spec.input_shape == (1, 28, 28) and fused.model.spec.num_classes == 10
-    measured = evaluate(fused.model, load_npz_dataset(data["test"]), device="cpu").accuracy
-    assert abs(measured - accuracy["fused"]["kf-linear"]["accuracy"]) < 0.002
-
-    # the SuperLink saw the run finish
-    runs = json.loads(
-        deployment.run([str(BIN / "flwr"), "list", CONNECTION, "--format", "json"], 120).stdout
-    )
-    assert [r["status"] for r in runs["runs"]] == ["finished:completed"]
 
 
 def test_an_unregistered_supernode_is_refused(deployment: Deployment, tmp_path: Path):

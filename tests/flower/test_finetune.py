@@ -176,9 +176,9 @@ def test_run_settings_check_and_label_the_new_keys():
         == "+aug(x2,noflip)"
     )
     assert RunSettings.from_config({"fusion-augment-flip": "false"}).fusion_augment_flip is False
-    with pytest.raises(ValueError, match="'fusion-augment-flip' must be a bool"):
+    with pytest.raises(ValueError, match="fusion-augment-flip='maybe' must be a boolean"):
         RunSettings.from_config({"fusion-augment-flip": "maybe"})
-    with pytest.raises(ValueError, match="finetune-data must be one of"):
+    with pytest.raises(ValueError, match="finetune-data='server' is unknown; choose from"):
         RunSettings(finetune_data="server")
     with pytest.raises(ValueError, match="finetune-min-lr <= finetune-lr"):
         RunSettings(finetune_lr=1e-6, finetune_min_lr=1e-3)

@@ -137,19 +137,10 @@ class FSMerge(FusionMethod):
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-        if rank < -1:
-            raise ValueError(f"rank must be >= 0, or -1 for dense matrices, got {rank}")
-        if epochs is not None and epochs < 0:
-            raise ValueError(f"epochs must be >= 0, got {epochs}")
         if lr <= 0 or weight_decay < 0 or (momentum is not None and not 0 <= momentum < 1):
             raise ValueError(f"invalid lr={lr}, weight_decay={weight_decay}, momentum={momentum}")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-        if not 0 <= val_split < 1 or patience < 0 or eval_points < 1:
-            raise ValueError(
-                f"need 0 <= val_split < 1, patience >= 0, eval_points >= 1; got "
-                f"{val_split}, {patience}, {eval_points}"
-            )
+        if not 0 <= val_split < 1:
+            raise ValueError(f"val_split must be in [0, 1), got {val_split}")
         self.objective = objective
         self.init = init
         self.rank = rank

@@ -165,8 +165,6 @@ class NeuronInterpolation(FusionMethod):
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
         if (ridge is not None and ridge < 0) or rcond <= 0:
             raise ValueError(f"ridge must be >= 0 and rcond > 0, got {ridge} and {rcond}")
-        if patience is not None and patience < 0:
-            raise ValueError(f"patience must be >= 0 (0: never stop early), got {patience}")
         self.grouping = grouping
         self.approximation = approximation
         self.use_scores = use_scores

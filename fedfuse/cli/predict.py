@@ -1,0 +1,69 @@
+"""``fedfuse predict``: classify images with a fused checkpoint (:mod:`fedfuse.deploy.predict`)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from fedfuse.cli.deploy import byte_size, parse_floats
+from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
+from fedfuse.io.atomic import atomic_path
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    from fedfuse.deploy.predict import predict_files
+
+    predictions = predict_files(
+        args.checkpoint,
+        args.images,
+        mean=parse_floats(args.mean),
+        std=parse_floats(args.std),
+        batch_size=args.batch_size,
+        device=args.device,
+        max_bytes=args.max_bytes,
+    )
+    if args.out is None:
+        print(predictions.csv(), end="")
+        return 0
+    out = Path(args.out).expanduser()
+    with atomic_path(out) as tmp:
+        tmp.write_text(predictions.csv())
+    counts = Counter(predictions.classes)
+    print(f"{len(predictions.images)} images: " + ", ".join(f"{c} {n}" for c, n in counts.items()))
+    print(f"wrote {out}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def register_cli(commands: Any) -> None:
+    parser = commands.add_parser(
+        "predict",
+        help="classify images with a fused checkpoint (its class names and normalisation)",
+        description="Classify images with a checkpoint, in the input shape, normalisation and "
+        "class names it records. Prints (or writes) CSV: image,class,probability.",
+    )
+    parser.add_argument("checkpoint", help="a fused .safetensors checkpoint")
+    parser.add_argument(
+        "images",
+        help="an image folder (searched recursively), an image, or an .npz with an 'images' array",
+    )
+    parser.add_argument("--out", help="write the CSV here instead of printing it")
+    parser.add_argument("--batch-size", type=_positive, default=256)
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda")
+    parser.add_argument("--mean", help="per-channel mean, only for checkpoints that record none")
+    parser.add_argument("--std", help="per-channel std, only for checkpoints that record none")
+    parser.add_argument(
+        "--max-bytes",
+        type=byte_size,
+        default=DEFAULT_MAX_BYTES,
+        help=f"largest image array an .npz may hold (default {format_bytes(DEFAULT_MAX_BYTES)})",
+    )
+    parser.set_defaults(handler=predict_command)

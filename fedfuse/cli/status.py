@@ -1,0 +1,81 @@
+"""``fedfuse status``: a run's outcome in a few lines, and an exit code a script can test.
+
+``flwr run`` exits 0 even when the run failed, and ``flwr supernode ls`` shows sites by node id
+only. This command reads the run's ``results.json`` and prints its status, every site by name
+with its node id and what became of it, and the fused checkpoints; it exits 0 only for ``ok``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+#: exit code of each run status (a script tests ``fedfuse status`` like any command)
+EXIT_CODES = {"ok": 0, "partial": 3, "running": 4, "stopped": 5, "failed": 1}
+
+
+def results_file(path: str | Path) -> Path:
+    """The ``results.json`` of a run folder, of an output folder's newest run, or as given."""
+    path = Path(path).expanduser()
+    for candidate in (path, path / "results.json", path / "latest" / "results.json"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path}: no results.json here (give a run folder or an output folder)")
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """The lines ``fedfuse status`` prints for a run's report."""
+    status = str(report.get("status", "unknown"))
+    lines = [status]
+    if report.get("error"):
+        phase = f" (phase {report['failed_phase']})" if report.get("failed_phase") else ""
+        lines.append(f"  why{phase}: {report['error']}")
+    for site in report.get("sites", []):
+        name = site.get("site") or (
+            f"client {site['partition_id']}" if site.get("partition_id") is not None else "?"
+        )
+        line = f"  site {name:<16} node {site.get('node_id')}  {site['status']}"
+        if site["status"] == "uploaded":
+            line += f" ({site.get('num_examples')} samples)"
+        else:
+            line += f": {site.get('reason', '')}"
+        lines.append(line)
+    for name, fusion in report.get("fusions", {}).items():
+        if fusion.get("checkpoint"):
+            lines.append(f"  fused {name}: {fusion['checkpoint']}")
+        elif fusion.get("status") == "failed":
+            lines.append(f"  fused {name}: FAILED: {fusion.get('error')}")
+    return lines
+
+
+def status_command(args: argparse.Namespace) -> int:
+    path = results_file(args.run)
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable results file ({error})") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"{path}: not a results file (no JSON object)")
+    if args.json:
+        print(json.dumps({k: report.get(k) for k in ("status", "error", "sites")}, indent=2))
+    else:
+        print("\n".join(describe(report)))
+    return EXIT_CODES.get(str(report.get("status")), 1)
+
+
+def register_cli(commands: Any) -> None:
+    parser = commands.add_parser(
+        "status",
+        help="a run's status, its sites by name and its fused models (exit 0 only when ok)",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "run",
+        nargs="?",
+        default="outputs",
+        help="a run folder, an output folder (its newest run) or a results.json (default: outputs)",
+    )
+    parser.add_argument("--json", action="store_true", help="status, error and sites as JSON")
+    parser.set_defaults(handler=status_command)

@@ -1,0 +1,172 @@
+"""Classify new images with a fused checkpoint, using only what the checkpoint records.
+
+A fused model from a fedfuse run records its input shape, normalisation and class names
+(:mod:`fedfuse.federation.provenance`), so whoever receives the file can use it without asking
+how the federation prepared its data: images are read, converted to the model's shape, scaled
+and normalised as the sites did, and each gets the name of its most probable class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fedfuse.data.arrays import to_nchw
+from fedfuse.data.convert import IMAGE_SUFFIXES, image_files, read_image, resize_images
+from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, NpzReader
+from fedfuse.io.checkpoint import Checkpoint, load_checkpoint
+from fedfuse.runtime import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InputRecipe:
+    """How the model's inputs are made: shape (C, H, W), per-channel mean and std of x/255."""
+
+    shape: tuple[int, int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    class_names: tuple[str, ...]
+
+
+@dataclass
+class Predictions:
+    """One row per image: its name, the predicted label and class name, and the probability."""
+
+    images: list[str]
+    labels: list[int]
+    classes: list[str]
+    probabilities: list[float]
+
+    def csv(self) -> str:
+        rows = ["image,class,probability"]
+        rows += [
+            f"{_csv_field(image)},{_csv_field(name)},{p:.3f}"
+            for image, name, p in zip(self.images, self.classes, self.probabilities, strict=True)
+        ]
+        return "\n".join(rows) + "\n"
+
+
+def _csv_field(text: str) -> str:
+    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n') else text
+
+
+def input_recipe(
+    checkpoint: Checkpoint,
+    *,
+    source: str,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+) -> InputRecipe:
+    """The checkpoint's input recipe; ``mean``/``std`` only for files that record none."""
+    meta = checkpoint.metadata
+    shape = tuple(int(v) for v in checkpoint.model.spec.input_shape)
+    if len(shape) != 3:
+        raise ValueError(f"{source}: the model takes inputs of shape {shape}, not images")
+    recorded = meta.get("normalisation") or {}
+    mean = tuple(mean) if mean is not None else recorded.get("mean")
+    std = tuple(std) if std is not None else recorded.get("std")
+    if mean is None or std is None:
+        raise ValueError(
+            f"{source}: records no normalisation (it was not written by a fedfuse run that "
+            "records it); give the federation's --mean and --std"
+        )
+    channels = shape[0]
+    if len(mean) != channels or len(std) != channels or min(float(s) for s in std) <= 0:
+        raise ValueError(f"{source}: normalisation mean {mean}, std {std} for {channels} channels")
+    names = meta.get("class_names")
+    num_classes = checkpoint.model.spec.num_classes
+    if not names or len(names) != num_classes:
+        names = [str(i) for i in range(num_classes)]
+    return InputRecipe(
+        shape=shape,  # type: ignore[arg-type]
+        mean=tuple(float(m) for m in mean),
+        std=tuple(float(s) for s in std),
+        class_names=tuple(str(n) for n in names),
+    )
+
+
+def read_inputs(
+    source: str | Path, shape: tuple[int, int, int], *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> tuple[list[str], np.ndarray]:
+    """Images to classify, as uint8 ``(N, *shape)`` with a name for each: every image file
+    under a folder (sorted; names relative to it), one image file, or the ``images`` array of an
+    ``.npz`` (named ``<file>:<index>``)."""
+    source = Path(source).expanduser()
+    if source.is_dir():
+        files = image_files(source)
+        if not files:
+            raise ValueError(f"{source}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        images = np.empty((len(files), *shape), dtype=np.uint8)
+        for i, path in enumerate(tqdm(files, desc="reading images", unit="image", leave=False)):
+            images[i] = read_image(path, shape)
+        return [str(p.relative_to(source)) for p in files], images
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such image file or folder")
+    if source.suffix.lower() == ".npz":
+        with NpzReader(source, max_bytes=max_bytes) as reader:
+            if "images" not in reader.files:
+                raise ValueError(f"{source}: has no 'images' array (keys {reader.files})")
+            images = to_nchw(reader.read("images"), source)
+        images = resize_images(images, shape, str(source), max_bytes=max_bytes)
+        return [f"{source.name}:{i}" for i in range(len(images))], images
+    return [source.name], read_image(source, shape)[None]
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module,
+    images: np.ndarray,
+    recipe: InputRecipe,
+    *,
+    batch_size: int = 256,
+    device: str = "auto",
+    progress: bool = True,
+) -> tuple[list[int], list[float]]:
+    """The most probable class of each uint8 image and its probability."""
+    target = resolve_device(device)
+    model = model.to(target).eval()
+    mean = torch.tensor(recipe.mean, device=target).view(1, -1, 1, 1)
+    std = torch.tensor(recipe.std, device=target).view(1, -1, 1, 1)
+    labels: list[int] = []
+    probabilities: list[float] = []
+    starts = range(0, len(images), batch_size)
+    for start in tqdm(starts, desc="classifying", unit="batch", disable=not progress):
+        batch = torch.from_numpy(images[start : start + batch_size]).to(target)
+        x = (batch.float() / 255.0 - mean) / std
+        p, label = torch.softmax(model(x), dim=1).max(dim=1)
+        labels += label.tolist()
+        probabilities += p.tolist()
+    return labels, probabilities
+
+
+def predict_files(
+    checkpoint_path: str | Path,
+    source: str | Path,
+    *,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    batch_size: int = 256,
+    device: str = "auto",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Predictions:
+    """Classify the images at ``source`` with the checkpoint at ``checkpoint_path``."""
+    checkpoint = load_checkpoint(checkpoint_path)
+    recipe = input_recipe(checkpoint, source=str(checkpoint_path), mean=mean, std=std)
+    names, images = read_inputs(source, recipe.shape, max_bytes=max_bytes)
+    labels, probabilities = predict(
+        checkpoint.model, images, recipe, batch_size=batch_size, device=device
+    )
+    return Predictions(
+        images=names,
+        labels=labels,
+        classes=[recipe.class_names[label] for label in labels],
+        probabilities=probabilities,
+    )

@@ -1,0 +1,185 @@
+"""docs/deployment.md, run as written: every ``bash`` block, in order, in one shell.
+
+Only the base directory is changed (``export FEDFUSE_BASE=/srv/fedfuse`` points at a temporary
+folder). A block whose first line is ``# in a terminal of its own`` is started in the background,
+as a reader starts it in a second terminal, and the next block waits until its log shows the
+line the guide says it prints when ready. Everything runs on 127.0.0.1: TLS, SuperNode
+authentication, two SuperNodes, the run, the status check and a prediction. A guide that drifts
+from the code fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedfuse.io.checkpoint import load_checkpoint
+from tests.helpers import descendants
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+GUIDE = REPO / "docs" / "deployment.md"
+BASE_LINE = "export FEDFUSE_BASE=/srv/fedfuse"
+BACKGROUND = "# in a terminal of its own"
+READY = re.compile(r'ready when it logs "([^"]+)"')
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
+#: the ports the guide's processes listen on
+GUIDE_PORTS = (8000, 9094, 9095)
+#: seconds the whole guide may take (the run itself takes about a minute)
+GUIDE_TIMEOUT = 900
+
+
+def guide_blocks(text: str) -> list[str]:
+    """The guide's ``bash`` blocks, in order, without their fences and list indentation."""
+    blocks, current, indent, lang = [], None, "", ""
+    for line in text.splitlines():
+        fence = FENCE.match(line)
+        if current is None:
+            if fence:
+                current, indent, lang = [], fence["indent"], fence["lang"]
+        elif fence and fence["indent"] == indent and not fence["lang"]:
+            if lang == "bash":
+                blocks.append("\n".join(current))
+            current = None
+        else:
+            current.append(line[len(indent) :] if line.startswith(indent) else line)
+    assert current is None, "the guide has an unclosed code block"
+    return blocks
+
+
+def guide_script(blocks: list[str], base: Path, logs: Path) -> str:
+    """One bash script: the blocks in order, the base directory substituted, background blocks
+    started in the background and waited for."""
+    lines = [
+        "set -euo pipefail",
+        "wait_for_log() {  # file, line to wait for, seconds",
+        "  local deadline=$((SECONDS + $3))",
+        '  until grep -qF -- "$2" "$1" 2>/dev/null; do',
+        '    if ((SECONDS > deadline)); then echo "never logged: $2 ($1)" >&2; return 1; fi',
+        "    sleep 0.5",
+        "  done",
+        "}",
+    ]
+    for index, block in enumerate(blocks):
+        block = block.replace(BASE_LINE, f"export FEDFUSE_BASE={shlex.quote(str(base))}")
+        lines.append(f"echo '>>> guide block {index}'")
+        first = block.splitlines()[0] if block else ""
+        if first.startswith(BACKGROUND):
+            ready = READY.search(first)
+            assert ready, f"block {index} runs in the background but says no ready line: {first}"
+            log = logs / f"background-{index}.log"
+            lines += [
+                f"(\n{block}\n) > {shlex.quote(str(log))} 2>&1 &",
+                f"echo $! >> {shlex.quote(str(logs / 'pids'))}",
+                f"wait_for_log {shlex.quote(str(log))} {shlex.quote(ready[1])} 180",
+            ]
+        else:
+            lines.append(block)
+    return "\n".join(lines) + "\n"
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
+
+
+def _stop(pids: list[int]) -> None:
+    """SIGTERM every background process and all it spawned; SIGKILL what is left."""
+    everything = {p for pid in pids for p in [pid, *descendants(pid)]}
+    for pid in everything:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in everything):
+        time.sleep(0.2)
+    for pid in everything:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_guide_blocks_are_found_and_only_the_base_is_substituted():
+    text = GUIDE.read_text()
+    assert text.count(BASE_LINE) == 1
+    blocks = guide_blocks(text)
+    background = [b for b in blocks if b.startswith(BACKGROUND)]
+    assert len(background) == 3  # the SuperLink and two SuperNodes
+    assert any(b.startswith("flwr run . hospitals") for b in blocks)
+    assert not any("/srv/" in b for b in blocks if BASE_LINE not in b)  # one base everywhere
+    assert not any(re.search(r"(^|\s)cd\s", b) for b in blocks)  # one working directory
+
+
+def test_the_deployment_guide_runs_as_written(tmp_path):
+    busy = [port for port in GUIDE_PORTS if _listening(port)]
+    if busy:
+        pytest.fail(f"the guide's ports {busy} are in use on this machine; free them to run it")
+    base, logs = tmp_path / "srv", tmp_path / "logs"
+    logs.mkdir()
+    script = guide_script(guide_blocks(GUIDE.read_text()), base, logs)
+    (logs / "guide.sh").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLWR_", "VIRTUAL_ENV"))}
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if Path(sys.executable).parent != Path(p)
+    )
+    started = time.monotonic()
+    try:
+        completed = subprocess.run(
+            ["bash", str(logs / "guide.sh")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=GUIDE_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired as error:
+        completed = None
+        output = f"timed out after {GUIDE_TIMEOUT} s\n{error.stdout}\n{error.stderr}"
+    finally:
+        pids_file = logs / "pids"
+        pids = [int(p) for p in pids_file.read_text().split()] if pids_file.exists() else []
+        _stop(pids)
+    seconds = time.monotonic() - started
+    if completed is not None:
+        output = f"{completed.stdout[-6000:]}\n{completed.stderr[-6000:]}"
+
+    def context() -> str:
+        tails = [
+            f"----- {log.name} -----\n" + "\n".join(log.read_text().splitlines()[-30:])
+            for log in sorted(logs.glob("background-*.log"))
+        ]
+        return f"\n{output}\n" + "\n".join(tails)
+
+    assert completed is not None and completed.returncode == 0, context()
+    print(f"the deployment guide ran in {seconds:.0f} s")
+
+    # the status check passed (it exits non-zero otherwise); what it read says the rest
+    report = json.loads((base / "server" / "outputs" / "latest" / "results.json").read_text())
+    assert report["status"] == "ok", context()
+    assert [(s["site"], s["status"]) for s in report["sites"]] == [
+        ("site-0", "uploaded"),
+        ("site-1", "uploaded"),
+    ]
+    assert all(isinstance(s["node_id"], int) for s in report["sites"])
+    held = [{k for k, n in enumerate(c["class_counts"]) if n} for c in report["clients"]]
+    assert sorted(held, key=min) == [set(range(5)), set(range(5, 10))]
+    assert report["accuracy"]["fused"]["kf-linear"]["accuracy"] > 0.5, report["accuracy"]
+
+    # the fused model stands alone, and `fedfuse predict` used its class names
+    fused = load_checkpoint(report["fusions"]["kf-linear"]["checkpoint"]).metadata
+    assert fused["class_names"][9] == "boot" and fused["normalisation"]["mean"] == [0.286]
+    assert [s["name"] for s in fused["sites"]] == ["site-0", "site-1"]
+    assert fused["data_files"]["fusion-data"]["path"].endswith("server/data/fusion.npz")
+    assert "image,class,probability" in completed.stdout
+    predictions = completed.stdout.split("image,class,probability", 1)[1].split()[:5]
+    assert all(row.split(",")[1] in fused["class_names"] for row in predictions), predictions

@@ -1,0 +1,200 @@
+"""What a deployment's run reports and keeps: sites by name, refusals before training, the
+server's own files checked first, fused models saved before anything can fail, stopped runs.
+
+The sites are fedfuse's real ClientApp handlers on real site files, called in-process by a
+stand-in Grid (:class:`tests.fakes.SitesGrid`); the ServerApp is the real one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from fedfuse.data import ImageDataset, load_dataset, save_npz_dataset
+from fedfuse.federation import site as site_module
+from fedfuse.federation.contract import DataContract, SiteRefusal
+from fedfuse.federation.scenario import Scenario
+from fedfuse.io.checkpoint import load_checkpoint
+from fedfuse.strategies import server_app
+from tests.fakes import SitesGrid
+from tests.helpers import quick_site_settings
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The server's fusion and test files, two digits sites and a site with RGB images."""
+    root = tmp_path_factory.mktemp("deployment")
+    settings = quick_site_settings()
+    train = load_dataset("digits", "train")
+    paths = {
+        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
+        "test": save_npz_dataset(
+            root / "test.npz", load_dataset("digits", "test").subset(range(200))
+        ),
+    }
+    scenario = Scenario(settings, 2)
+    for pid in range(2):
+        paths[f"site-{pid}"] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
+    rng = np.random.default_rng(0)
+    rgb = ImageDataset(
+        images=torch.from_numpy(rng.integers(0, 256, (40, 3, 8, 8), dtype=np.uint8)),
+        labels=torch.arange(40) % 10,
+        num_classes=10,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.3, 0.3, 0.3),
+        name="rgb",
+    )
+    paths["rgb"] = save_npz_dataset(root / "rgb.npz", rgb)
+    return paths
+
+
+def _deployment(files, tmp_path, site_files=("site-0", "site-1"), **changes):
+    settings = quick_site_settings(
+        **{
+            "methods": "kf-linear,fedavg",
+            "fusion_data": str(files["fusion"]),
+            "test_data": str(files["test"]),
+            "output_dir": str(tmp_path / "outputs"),
+            "node_wait_timeout": 1.0,
+            "reply_timeout": 60.0,
+            **changes,
+        }
+    )
+    sites = {
+        100 + i: {"partition-id": i, "site-name": f"hospital-{i}", "data-path": str(files[name])}
+        for i, name in enumerate(site_files)
+    }
+    run_config = settings.to_config()
+    return SitesGrid(sites, run_config), Context(7, 0, {}, RecordDict(), run_config)
+
+
+def _report(tmp_path):
+    return json.loads((tmp_path / "outputs" / "latest" / "results.json").read_text())
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """The names of the sites that trained a model."""
+    names = []
+    train = site_module._train
+
+    def recording(settings, data, seed, initial_state, name, clock):
+        names.append(name)
+        return train(settings, data, seed, initial_state, name, clock)
+
+    monkeypatch.setattr(site_module, "_train", recording)
+    return names
+
+
+def test_a_site_with_other_images_refuses_before_training_and_the_run_is_partial(
+    files, tmp_path, trained
+):
+    grid, context = _deployment(files, tmp_path, site_files=("site-0", "site-1", "rgb"))
+    server_app.main(grid, context)
+    report = _report(tmp_path)
+    assert report["status"] == "partial"
+    assert sorted(trained) == ["hospital-0", "hospital-1"]  # the RGB site trained nothing
+    by_name = {site["site"]: site for site in report["sites"]}
+    assert by_name["hospital-0"]["status"] == by_name["hospital-1"]["status"] == "uploaded"
+    assert by_name["hospital-0"]["node_id"] == 100 and by_name["hospital-1"]["node_id"] == 101
+    refused = by_name["hospital-2"]
+    assert refused["status"] == "refused" and refused["node_id"] == 102
+    assert "its images are 3x8x8, the federation's are 1x8x8" in refused["reason"]
+    assert "hospital-2" in report["error"] and "refused" in report["error"]
+    assert [c["site_name"] for c in report["clients"]] == ["hospital-0", "hospital-1"]
+    assert report["fusions"]["kf-linear"]["status"] == "ok"
+
+
+def test_the_contract_names_every_mismatch():
+    digits = load_dataset("digits", "train").subset(range(20))
+    contract = DataContract.of(digits)
+    assert contract.mismatches(digits) == []
+    other = DataContract((1, 8, 8), 12, mean=(0.1,), std=(0.2,))
+    problems = other.mismatches(digits)
+    assert problems[0] == "it declares 10 classes, the federation has 12"
+    assert problems[1].startswith("its normalisation is mean [0.3054]")
+    named = DataContract((1, 8, 8), 10, class_names=tuple("abcdefghij"))
+    assert named.mismatches(digits) == []  # a file without names is not refused for it
+    with pytest.raises(SiteRefusal, match="site x: it declares 10 classes"):
+        other.check(digits, source="site x")
+    round_trip = DataContract.from_dict(named.to_dict(), source="msg")
+    assert round_trip.class_names == named.class_names
+    with pytest.raises(ValueError, match="msg: 2 class names for 10 classes"):
+        DataContract.from_dict({**named.to_dict(), "class_names": ["a", "b"]}, source="msg")
+    with pytest.raises(ValueError, match="implausible data contract"):
+        DataContract.from_dict({"input_shape": [1, 8, 8], "num_classes": 10**12}, source="m")
+
+
+def test_a_missing_server_file_is_found_before_any_site_is_asked(files, tmp_path, trained):
+    grid, context = _deployment(files, tmp_path, test_data=str(tmp_path / "no-test.npz"))
+    with pytest.raises(ValueError, match="run config test-data='.*no-test.npz': no such file"):
+        server_app.main(grid, context)
+    assert grid.pushed == [] and trained == []
+    report = _report(tmp_path)
+    assert report["status"] == "failed" and report["failed_phase"] == "preflight"
+    assert "no such file on the server" in report["error"]
+
+
+def test_a_failure_after_fusion_keeps_every_fused_model(files, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the evaluation crashed")
+
+    monkeypatch.setattr(server_app, "evaluate_fusion", broken)
+    grid, context = _deployment(files, tmp_path)
+    with pytest.raises(RuntimeError, match="the evaluation crashed"):
+        server_app.main(grid, context)
+    report = _report(tmp_path)
+    assert report["status"] == "failed" and report["failed_phase"] == "evaluate"
+    run = tmp_path / "outputs" / "latest"
+    assert sorted(p.name for p in run.glob("fused*.safetensors")) == [
+        "fused-fedavg.safetensors",
+        "fused.safetensors",
+    ]
+    assert report["fusions"]["kf-linear"]["checkpoint"] == str(run.resolve() / "fused.safetensors")
+    assert len(report["saved_checkpoints"]) == 2
+
+    # each checkpoint stands alone: what made it, and what using it needs
+    meta = load_checkpoint(run / "fused.safetensors").metadata
+    assert meta["strategy"] == "kf-linear" and "ridge" in meta["method_options"]
+    assert [(s["name"], s["num_examples"]) for s in meta["sites"]] == [
+        ("hospital-0", report["clients"][0]["num_examples"]),
+        ("hospital-1", report["clients"][1]["num_examples"]),
+    ]
+    assert sum(meta["sites"][0]["class_counts"]) == meta["sites"][0]["num_examples"]
+    digest = hashlib.sha256(files["test"].read_bytes()).hexdigest()
+    assert meta["data_files"]["test-data"]["sha256"] == digest
+    assert meta["input_shape"] == [1, 8, 8]
+    assert meta["normalisation"]["mean"] == pytest.approx([0.3054], abs=1e-3)
+    assert "dataset" not in meta["settings"] and "fusion-samples" not in meta["settings"]
+    assert meta["fedfuse_version"] and meta["flower_version"].startswith("1.")
+
+
+def test_a_stopped_run_reads_stopped_and_keeps_what_it_saved(files, tmp_path, monkeypatch):
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # what `flwr stop` and Ctrl-C raise in a ServerApp
+
+    monkeypatch.setattr(server_app, "evaluate_fusion", stop)
+    grid, context = _deployment(files, tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        server_app.main(grid, context)
+    report = _report(tmp_path)
+    assert report["status"] == "stopped" and "'evaluate'" in report["error"]
+    assert (tmp_path / "outputs" / "latest" / "fused.safetensors").is_file()
+
+
+def test_a_site_that_fails_is_named(files, tmp_path):
+    grid, context = _deployment(files, tmp_path, site_files=("site-0", "site-1"))
+    grid.contexts[101].node_config["data-path"] = str(tmp_path / "gone.npz")
+    with pytest.raises(Exception, match="1 usable upload"):
+        server_app.main(grid, context)
+    report = _report(tmp_path)
+    failed = next(s for s in report["sites"] if s["status"] == "failed")
+    assert failed["site"] == "hospital-1" and failed["node_id"] == 101
+    assert "gone.npz" in failed["reason"]
