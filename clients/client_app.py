@@ -25,7 +25,12 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedfuse.federation.contract import SiteRefusal
-from fedfuse.federation.site import answer_statistics_request, finetune_site, train_site
+from fedfuse.federation.site import (
+    answer_statistics_request,
+    check_site_data,
+    finetune_site,
+    train_site,
+)
 from fedfuse.federation.site_cache import run_site_cache
 from fedfuse.runtime import configure_logging
 from fedfuse.settings.run import RunSettings
@@ -33,8 +38,10 @@ from fedfuse.settings.run import RunSettings
 from .records import (
     pack_finetune_reply,
     pack_no_upload,
+    pack_site_ready,
     pack_statistics,
     pack_upload,
+    unpack_contract,
     unpack_finetune_request,
     unpack_statistics_request,
     unpack_train_request,
@@ -72,6 +79,18 @@ def site_identity(context: Context) -> tuple[int, int, str | None]:
     return partition_id, num_partitions, data_path
 
 
+def _cannot_take_part(msg: Message, error: Exception, name: str, partition_id: int) -> Message:
+    """The reply of a site that refuses (its data breaks the contract) or failed."""
+    if isinstance(error, SiteRefusal):
+        log.error("refusing the run: %s", error)
+        kind, reason = "refused", str(error)
+    else:
+        log.error("the site failed", exc_info=error)
+        kind, reason = "failed", f"{type(error).__name__}: {error}"
+    content = pack_no_upload(kind, reason, site_name=name, partition_id=partition_id)
+    return Message(content=content, reply_to=msg)
+
+
 @app.train()
 def train_and_upload(msg: Message, context: Context) -> Message:
     """Train on the site's data, compute importance scores, reply with weights + scores (and
@@ -94,16 +113,34 @@ def train_and_upload(msg: Message, context: Context) -> Message:
             contract=request.contract,
             site_name=name,
         )
-    except SiteRefusal as refusal:
-        log.error("refusing to train: %s", refusal)
-        content = pack_no_upload("refused", str(refusal), site_name=name, partition_id=partition_id)
-        return Message(content=content, reply_to=msg)
-    except Exception as error:  # the server is told which site failed and why
-        log.exception("the site failed")
-        reason = f"{type(error).__name__}: {error}"
-        content = pack_no_upload("failed", reason, site_name=name, partition_id=partition_id)
-        return Message(content=content, reply_to=msg)
+    except Exception as error:  # the server is told which site cannot take part, and why
+        return _cannot_take_part(msg, error, name, partition_id)
     return Message(content=pack_upload(upload), reply_to=msg)
+
+
+@app.query("contract")
+def check_contract(msg: Message, context: Context) -> Message:
+    """The check before training: does the site's data match the run's data contract? The
+    site answers that it is ready, or refuses (or failed) and says why."""
+    configure_logging()
+    name = site_name(context)
+    partition_id = -1
+    try:
+        partition_id, num_partitions, data_path = site_identity(context)
+        settings = RunSettings.from_config(context.run_config)
+        contract = unpack_contract(msg.content, what="the server's check")
+        if contract is not None:
+            check_site_data(
+                settings,
+                contract,
+                partition_id,
+                num_partitions,
+                data_path=data_path,
+                site_name=name,
+            )
+    except Exception as error:  # the server is told which site cannot take part, and why
+        return _cannot_take_part(msg, error, name, partition_id)
+    return Message(content=pack_site_ready(site_name=name, partition_id=partition_id), reply_to=msg)
 
 
 @app.query("statistics")

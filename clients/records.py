@@ -41,6 +41,8 @@ SCORE_METHOD_KEY = "score-method"
 #: train-message config key: the run's data contract (JSON of
 #: :meth:`fedfuse.federation.contract.DataContract.to_dict`), checked by a site before it trains
 CONTRACT_KEY = "data-contract"
+#: the Message type of the check before training (a ClientApp ``@app.query("contract")``)
+CONTRACT_MESSAGE = "query.contract"
 #: reply record of a site that did not upload: it refused (its data breaks the contract) or
 #: failed (an error while loading, training or scoring); ``kind``, ``reason`` and who it is
 NO_UPLOAD_KEY = "no-upload"
@@ -86,14 +88,32 @@ def unpack_train_request(content: RecordDict) -> TrainRequest:
     initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
     config = content.config_records.get(CONFIG_KEY)
     send_grams = config.get(SEND_GRAMS_KEY) if config is not None else None
-    contract = None
-    if config is not None and CONTRACT_KEY in config:
-        try:
-            document = json.loads(str(config[CONTRACT_KEY]))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"the train message's data contract is not JSON ({error})") from None
-        contract = DataContract.from_dict(document, source="the train message")
+    contract = unpack_contract(content, what="the train message")
     return TrainRequest(initial_state, None if send_grams is None else bool(send_grams), contract)
+
+
+def unpack_contract(content: RecordDict, *, what: str) -> DataContract | None:
+    """The data contract in a message's config (None when it carries none)."""
+    config = content.config_records.get(CONFIG_KEY)
+    if config is None or CONTRACT_KEY not in config:
+        return None
+    try:
+        document = json.loads(str(config[CONTRACT_KEY]))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{what}'s data contract is not JSON ({error})") from None
+    return DataContract.from_dict(document, source=what)
+
+
+def pack_contract_query(contract: DataContract) -> RecordDict:
+    """The check before training: the run's data contract, for every site to compare its data
+    with (the reply is :func:`pack_site_ready` or a refusal, :func:`pack_no_upload`)."""
+    return RecordDict({CONFIG_KEY: ConfigRecord({CONTRACT_KEY: json.dumps(contract.to_dict())})})
+
+
+def pack_site_ready(*, site_name: str, partition_id: int) -> RecordDict:
+    """A site's answer to the check before training: its data complies with the contract."""
+    record = ConfigRecord({"site-name": site_name[:_MAX_TEXT], "partition-id": int(partition_id)})
+    return RecordDict({SITE_KEY: record})
 
 
 def pack_no_upload(kind: str, reason: str, *, site_name: str, partition_id: int) -> RecordDict:

@@ -4,6 +4,7 @@
 ``docs/flower-apps.md``); fedfuse's own app is :mod:`fedfuse.strategies.server_app`.
 """
 
-from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion
+from fedfuse.strategies.one_shot import OneShotFusion
+from fedfuse.strategies.preflight import FusionAborted, MethodsUnfit
 
 __all__ = ["FusionAborted", "MethodsUnfit", "OneShotFusion"]

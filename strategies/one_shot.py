@@ -60,6 +60,13 @@ from fedfuse.runtime import configure_logging
 
 from .finetune_round import SiteFinetuneRound
 from .messaging import stream_replies, wait_for_nodes
+from .preflight import (
+    CONTRACT_TIMEOUT,
+    FusionAborted,
+    MethodsUnfit,
+    check_methods,
+    check_site_data,
+)
 from .replies import (
     EXTRAS_HINT,
     SiteDidNotUpload,
@@ -74,45 +81,12 @@ from .statistics_rounds import FlowerSites
 log = logging.getLogger(__name__)
 
 
-class FusionAborted(RuntimeError):
-    """Too few usable uploads arrived to fuse; the message lists every client's problem."""
-
-
-class MethodsUnfit(ValueError):
-    """A listed fusion method cannot fuse this run; raised before any site trains."""
-
-
 @dataclass
 class MethodFailure:
     """A fusion method that raised while fusing (the other methods still ran)."""
 
     error: str
     seconds: float
-
-
-def check_methods(
-    methods: Sequence[FusionMethod],
-    num_sites: int,
-    spec: ModelSpec | None,
-    available: Iterable[str] | None = None,
-    target: ModelSpec | None = None,
-    *,
-    hint: str = "",
-) -> None:
-    """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run (into
-    ``target``, the fused model's spec; None: the sites'); ``hint`` ends the message."""
-    available = None if available is None else set(available)
-    problems = []
-    for method in methods:
-        try:
-            method.check_run(num_sites, spec, available, target)
-        except ValueError as error:
-            problems.append(str(error))
-    if problems:
-        raise MethodsUnfit(
-            f"{len(problems)} of the listed fusion methods cannot fuse this run of {num_sites} "
-            "sites (checked before any site trains): " + "; ".join(problems) + hint
-        )
 
 
 #: which :class:`FusionInputs` field each extra of a plain ClientApp provides
@@ -164,6 +138,9 @@ class OneShotFusion(Strategy):
         score_method: the importance scores a plain ClientApp computes (``client_extras``).
         contract: the data contract sent with the train message: fedfuse's ClientApp checks
             its data against it and refuses, at once and by name, when they differ.
+        check_contract: before the train message, ask every site to check its data against
+            ``contract`` (:mod:`.preflight`): a site that refuses trains nothing, and too few
+            sites left end the run before any site trains (for sites with their own files).
         on_fused: called with each method's name and result as soon as it has fused (e.g. to
             save the model before anything else can fail).
 
@@ -191,6 +168,7 @@ class OneShotFusion(Strategy):
         target: Callable[[ModelSpec], ModelSpec | None] | None = None,
         score_method: str = "conductance",
         contract: DataContract | None = None,
+        check_contract: bool = False,
         on_fused: Callable[[str, FusionResult], None] | None = None,
     ) -> None:
         self.methods = as_methods(methods)
@@ -225,6 +203,7 @@ class OneShotFusion(Strategy):
         self.max_in_flight = max_in_flight
         self.target = target
         self.contract = contract
+        self.check_contract = check_contract and contract is not None and model_fn is None
         self.on_fused = on_fused
         self.problems: list[str] = []
         #: the sites left out of the fusion, and why
@@ -318,6 +297,18 @@ class OneShotFusion(Strategy):
         )
         if self.before_training is not None:
             self.before_training(len(self._sent))
+        if self.check_contract:
+            assert self.contract is not None
+            self._sent = check_site_data(
+                grid,
+                self._sent,
+                self.contract,
+                min(self._reply_timeout, CONTRACT_TIMEOUT),
+                roster=self.roster,
+                problems=self.problems,
+                min_nodes=self.min_nodes,
+                max_in_flight=self.max_in_flight,
+            )
         config["server-round"] = server_round
         content = pack_train_request(
             arrays,

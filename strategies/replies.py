@@ -45,9 +45,10 @@ class SiteDidNotUpload(ContributionError):
     """A site answered without an upload: ``kind`` ``"refused"`` (its data breaks the run's
     contract; it trained nothing) or ``"failed"`` (an error at the site)."""
 
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, site: str = "") -> None:
         super().__init__(message)
         self.kind = kind
+        self.site = site
 
 
 _PRINTABLE = re.compile(r"[^\w .,:;@/()+=#'-]")
@@ -82,6 +83,17 @@ def describe_sender(msg: Message) -> str:
     return f"{name} (client {partition}, {node})" if name else f"client {partition} ({node})"
 
 
+def site_answer(msg: Message) -> SiteDidNotUpload | None:
+    """A site's refusal or failure in a reply (its ``no-upload`` record), or None."""
+    no_upload = msg.content.config_records.get(NO_UPLOAD_KEY)
+    if no_upload is None:
+        return None
+    kind = "refused" if str(no_upload.get("kind")) == "refused" else "failed"
+    reason = short_reason(str(no_upload.get("reason", "")), limit=1000)
+    verb = "refused to train" if kind == "refused" else "the client failed"
+    return SiteDidNotUpload(f"{describe_sender(msg)}: {verb}: {reason}", kind, sender_name(msg))
+
+
 def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bool) -> ClientUpload:
     """Validate one train reply and rebuild its model; raises :class:`ContributionError`
     (:class:`SiteDidNotUpload` for a site that refused or failed and said so)."""
@@ -90,13 +102,10 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         raise SiteDidNotUpload(
             f"{source}: the client failed: {short_reason(msg.error.reason)}", "failed"
         )
+    answer = site_answer(msg)
+    if answer is not None:
+        raise answer
     content = msg.content
-    no_upload = content.config_records.get(NO_UPLOAD_KEY)
-    if no_upload is not None:
-        kind = "refused" if str(no_upload.get("kind")) == "refused" else "failed"
-        reason = short_reason(str(no_upload.get("reason", "")), limit=1000)
-        verb = "refused to train" if kind == "refused" else "the client failed"
-        raise SiteDidNotUpload(f"{source}: {verb}: {reason}", kind)
     for key, records in (
         (WEIGHTS_KEY, content.array_records),
         (METRICS_KEY, content.metric_records),

@@ -230,6 +230,7 @@ class OneShotRun:
             max_in_flight=settings.max_in_flight,
             target=settings.fused_spec,
             contract=contract,
+            check_contract=bool(settings.fusion_data),  # the sites then hold their own files
             on_fused=lambda name, result: self.on_fused(name, result, strategy),
         )
         self.phase = "collect and fuse"

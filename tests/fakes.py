@@ -25,8 +25,9 @@ def reply_from(content: RecordDict, node: int) -> Message:
 class SitesGrid:
     """A Grid whose sites are fedfuse's real ClientApp handlers, called in this process.
 
-    ``sites`` maps node ids to node configs; each pushed train message is answered by
-    ``train_and_upload`` with that node's config and ``run_config`` (``handler`` replaces it).
+    ``sites`` maps node ids to node configs; each pushed message is answered by the ClientApp's
+    handler of its type (``train_and_upload``, ``check_contract``) with that node's config and
+    ``run_config`` (``handler`` replaces the train handler).
     ``pushed`` records every message the server sent, so a test can tell that a check came
     before any site was asked to train.
     """
@@ -47,15 +48,22 @@ class SitesGrid:
     def get_node_ids(self):
         return list(self.sites)
 
+    def trained(self) -> list[int]:
+        """The nodes sent a train message."""
+        return [m.metadata.dst_node_id for m in self.pushed if m.metadata.message_type == "train"]
+
     def push_messages(self, messages):
-        from fedfuse.clients.client_app import train_and_upload
+        from fedfuse.clients.client_app import check_contract, train_and_upload
 
         ids = []
         for msg in messages:
             mid = f"m{len(self.pushed)}"
             msg.metadata.__dict__["_message_id"] = mid
             self.pushed.append(msg)
-            handler = self.handler or train_and_upload
+            if msg.metadata.message_type == "query.contract":
+                handler = check_contract
+            else:
+                handler = self.handler or train_and_upload
             self._outstanding[mid] = handler(msg, self.contexts[msg.metadata.dst_node_id])
             ids.append(mid)
         return ids

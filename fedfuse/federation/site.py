@@ -182,6 +182,23 @@ def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tenso
     return dataset.inputs(index), dataset.labels[index]
 
 
+def check_site_data(
+    settings: RunSettings,
+    contract: DataContract,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    data_path: str | None = None,
+    site_name: str = "",
+) -> ImageDataset:
+    """The site's data, checked against the run's ``contract`` (the check before training);
+    raises :class:`~fedfuse.federation.contract.SiteRefusal` naming every mismatch."""
+    data = load_site_data(settings, partition_id, num_partitions, data_path)
+    where = f" ({data_path})" if data_path else ""
+    contract.check(data, source=f"{site_name or f'client {partition_id}'}'s data{where}")
+    return data
+
+
 def load_site_data(
     settings: RunSettings, partition_id: int, num_partitions: int, data_path: str | None = None
 ) -> ImageDataset:

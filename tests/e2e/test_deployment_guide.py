@@ -163,6 +163,10 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     assert completed is not None and completed.returncode == 0, context()
     print(f"the deployment guide ran in {seconds:.0f} s")
 
+    # the sites checked their data against the contract (a real query round) before training
+    assert "checking 2 sites' data against the run's data contract" in completed.stdout
+    assert "could not check its data" not in completed.stdout, context()
+
     # the status check passed (it exits non-zero otherwise); what it read says the rest
     report = json.loads((base / "server" / "outputs" / "latest" / "results.json").read_text())
     assert report["status"] == "ok", context()

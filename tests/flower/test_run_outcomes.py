@@ -20,7 +20,7 @@ from fedfuse.federation import site as site_module
 from fedfuse.federation.contract import DataContract, SiteRefusal
 from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
-from fedfuse.strategies import server_app
+from fedfuse.strategies import FusionAborted, server_app
 from tests.fakes import SitesGrid
 from tests.helpers import quick_site_settings
 
@@ -100,7 +100,8 @@ def test_a_site_with_other_images_refuses_before_training_and_the_run_is_partial
     server_app.main(grid, context)
     report = _report(tmp_path)
     assert report["status"] == "partial"
-    assert sorted(trained) == ["hospital-0", "hospital-1"]  # the RGB site trained nothing
+    # the check before training left the RGB site out: it was never asked to train
+    assert grid.trained() == [100, 101] and sorted(trained) == ["hospital-0", "hospital-1"]
     by_name = {site["site"]: site for site in report["sites"]}
     assert by_name["hospital-0"]["status"] == by_name["hospital-1"]["status"] == "uploaded"
     assert by_name["hospital-0"]["node_id"] == 100 and by_name["hospital-1"]["node_id"] == 101
@@ -110,6 +111,42 @@ def test_a_site_with_other_images_refuses_before_training_and_the_run_is_partial
     assert "hospital-2" in report["error"] and "refused" in report["error"]
     assert [c["site_name"] for c in report["clients"]] == ["hospital-0", "hospital-1"]
     assert report["fusions"]["kf-linear"]["status"] == "ok"
+
+
+def test_too_few_sites_with_the_right_data_end_the_run_before_any_site_trains(
+    files, tmp_path, trained
+):
+    grid, context = _deployment(files, tmp_path, site_files=("site-0", "rgb", "rgb"))
+    with pytest.raises(FusionAborted, match="2 site.s. cannot take part and 1 can, 2 needed"):
+        server_app.main(grid, context)
+    assert grid.trained() == [] and trained == []
+    report = _report(tmp_path)
+    assert report["status"] == "failed"
+    assert [s["status"] for s in report["sites"]] == ["refused", "refused"]
+    assert {s["site"] for s in report["sites"]} == {"hospital-1", "hospital-2"}
+
+
+def test_a_site_whose_data_changed_after_the_check_still_refuses_to_train(
+    files, tmp_path, monkeypatch
+):
+    """The train message carries the contract too: a site checks again before it trains."""
+    from fedfuse.clients import client_app
+
+    grid, context = _deployment(files, tmp_path, site_files=("site-0", "site-1", "site-1"))
+    check = client_app.check_contract
+
+    def swap_after_check(msg, site_context):
+        reply = check(msg, site_context)
+        if site_context.node_id == 102:  # its file is replaced between the check and training
+            site_context.node_config["data-path"] = str(files["rgb"])
+        return reply
+
+    monkeypatch.setattr(client_app, "check_contract", swap_after_check)
+    server_app.main(grid, context)
+    report = _report(tmp_path)
+    refused = next(s for s in report["sites"] if s["status"] == "refused")
+    assert refused["node_id"] == 102 and "3x8x8" in refused["reason"]
+    assert 102 in grid.trained()  # it was asked to train, and refused in its reply
 
 
 def test_the_contract_names_every_mismatch():
@@ -192,7 +229,7 @@ def test_a_stopped_run_reads_stopped_and_keeps_what_it_saved(files, tmp_path, mo
 def test_a_site_that_fails_is_named(files, tmp_path):
     grid, context = _deployment(files, tmp_path, site_files=("site-0", "site-1"))
     grid.contexts[101].node_config["data-path"] = str(tmp_path / "gone.npz")
-    with pytest.raises(Exception, match="1 usable upload"):
+    with pytest.raises(FusionAborted, match="1 site.s. cannot take part"):
         server_app.main(grid, context)
     report = _report(tmp_path)
     failed = next(s for s in report["sites"] if s["status"] == "failed")

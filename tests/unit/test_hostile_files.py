@@ -219,6 +219,43 @@ def test_a_valid_folder_with_a_class_file_round_trips_its_names(tmp_path):
     assert load_npz_dataset(out).class_names == ("benign", "malignant", "normal")
 
 
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> list[Path]:
+    from fedfuse.io.checkpoint import save_checkpoint
+    from fedfuse.models import build_model, mlp_spec
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    spec = mlp_spec((1, 8, 8), 10, (16, 16, 16))
+    return [save_checkpoint(root / f"m{s}.safetensors", build_model(spec, seed=s)) for s in (0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--option", "n_init=1000000000000"], ["n_init", "1 to 1000"]),
+        (["--target-widths", "1000000,1000000,1000000"], ["--target-widths", "1000000"]),
+    ],
+)
+def test_absurd_fusion_options_are_refused_before_fusing(two_checkpoints, argv, named):
+    _assert_refused(_fedfuse("fuse", *two_checkpoints, "--method", "kf-linear", *argv), *named)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["simulate", "--timeout", "-5"], ["--timeout", "-5"]),
+        (["simulate", "--run-config", "local-epochs=-1"], ["local-epochs", "[0, 10000]"]),
+        (["simulate", "--run-config", "fused-widths='1000000,1000000,1000000'"], ["fused-widths"]),
+        (["compare", "nonexistent=1"], ["nonexistent"]),
+        (["compare", "method=nosuch"], ["nosuch", "kf-linear"]),
+    ],
+)
+def test_bad_run_options_are_one_line_before_anything_starts(tmp_path, argv, named):
+    where = ["--output-dir", tmp_path] if argv[0] == "simulate" else [f"output_dir={tmp_path}"]
+    _assert_refused(_fedfuse(*argv, *where), *named)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
 # ------------------------------------------------------------------------- library, in process
 def test_statistics_stream_in_chunks_with_the_same_result(tmp_path):
     images = RNG.integers(0, 256, (50, 3, 7, 5), dtype=np.uint8)
