@@ -130,19 +130,23 @@ def _wait_for_run(
 
 def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     """Fail fast, before Flower starts: the run config must parse (no unknown keys, every value
-    in range), every listed fusion method must be able to fuse ``num_clients`` sites, and
-    requested fused widths must fit the sites' model and the size limit."""
+    in range), every listed fusion method must be able to fuse ``num_clients`` sites of the
+    run's architecture, and requested fused widths must fit the sites' model and the size
+    limit."""
+    from fedfuse.data import DatasetNotFoundError
+    from fedfuse.federation.scenario import Scenario
     from fedfuse.settings.run import RunSettings
 
     # RunSettings' defaults are the app's (a test keeps them identical): parse the overrides
     settings = RunSettings.from_config(config)
     methods = settings.fusion_methods()
-    spec = target = None
-    if settings.fused_widths.strip():  # the sites' spec needs the data's shape: load it
-        from fedfuse.federation.scenario import Scenario
-
+    try:  # the sites' spec needs the data's shape (and the server's data, which it checks)
         spec = Scenario(settings, num_clients).model_spec()
-        target = settings.fused_spec(spec)
+    except (DatasetNotFoundError, FileNotFoundError):
+        if settings.fused_widths.strip():
+            raise
+        spec = None  # the ServerApp names the missing data itself
+    target = settings.fused_spec(spec) if spec is not None else None
     problems = []
     for method in methods:
         try:

@@ -52,6 +52,7 @@ from fedfuse.fusion import FusionMethod
 from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedfuse.models import build_model
 from fedfuse.runtime import PeakMemory
 from fedfuse.settings.hydra import (
     NON_RESULT_OPTIONS,
@@ -59,7 +60,7 @@ from fedfuse.settings.hydra import (
     method_label,
     settings_from_config,
 )
-from fedfuse.settings.run import RunSettings, finetune_seed
+from fedfuse.settings.run import RunSettings, finetune_seed, initial_seed
 from fedfuse.training.averaging import average_models, state_bytes
 from fedfuse.training.finetune import finetune
 
@@ -257,12 +258,18 @@ def _run_library(job: Job, scenario: Scenario) -> Outcome:
     settings = job.settings
     send_grams = needs_grams([job.method])  # what the server's train message would say
     threads = torch.get_num_threads()
+    initial = (  # the server's common start in shared mode, as strategies/server_app.py sends it
+        build_model(scenario.model_spec(), seed=initial_seed(settings)).state_dict()
+        if settings.init == "shared"
+        else None
+    )
     try:
         uploads = [  # the sites' own code path, as the ClientApp runs it
             train_site(
                 settings,
                 pid,
                 job.sites,
+                initial,
                 send_grams=send_grams,
                 cache=job.cache.site(settings, pid, job.sites),
             )
@@ -405,7 +412,7 @@ def _site_set_evaluation(job: Job, scenario: Scenario, models, uploads) -> dict[
     document = json.loads(description.read_text()) if description.is_file() else {}
     key = f"test_samples={job.settings.test_samples}"
     evaluations = document.setdefault("evaluations", {})
-    if key not in evaluations:
+    if "logit_ensemble" not in evaluations.get(key, {}):  # (cached before it was added)
         evaluations[key] = evaluate_fusion(
             models, None, scenario.test_set, device=job.settings.device
         )
@@ -425,6 +432,9 @@ def _evaluation_fields(evaluation: dict[str, Any]) -> dict[str, Any]:
         "base_mean_accuracy": evaluation["base_mean_accuracy"],
         "ensemble_accuracy": evaluation["ensemble"]["accuracy"],
         "ensemble_loss": evaluation["ensemble"]["loss"],
+        # a reference beside the probability ensemble (absent from older results: None)
+        "logit_ensemble_accuracy": evaluation.get("logit_ensemble", {}).get("accuracy"),
+        "logit_ensemble_loss": evaluation.get("logit_ensemble", {}).get("loss"),
         "test_examples": evaluation["test_examples"],
     }
 

@@ -1,10 +1,11 @@
 """Evaluation of a fusion run and the summary a person reads (Flower-free, every entry point).
 
-:func:`evaluate_fusion` scores the base models, their ensemble and each fused model on the test
-set; :func:`method_cost` says what each method cost the sites (one upload, or how many
-statistics rounds, and the bytes); :func:`format_accuracy_table` prints both, marks the best
-single model, and :func:`summary_warnings` says when a fused model is at chance or below every
-base model, and which methods do better on such splits.
+:func:`evaluate_fusion` scores the base models, their ensembles (of probabilities, and of logits)
+and each fused model on the test set; :func:`method_cost` says what each method cost the sites
+(one upload, or how many statistics rounds, and the bytes); :func:`format_accuracy_table`
+prints both (the probability ensemble as the reference), marks the best single model, and
+:func:`summary_warnings` says when a fused model is at chance or below every base model, and
+which methods do better on such splits.
 """
 
 from __future__ import annotations
@@ -37,20 +38,24 @@ def evaluate_fusion(
 
     ``fused`` maps a label (the fusion method) to its fused model. One pass over the base models
     (which may be a lazy sequence of memory-mapped models): each model's logits give its own
-    accuracy and are folded into the ensemble's running average of probabilities, so a thousand
-    base models cost a thousand forward passes and one model's worth of memory.
+    accuracy and are folded into the ensemble's running average of probabilities (``ensemble``,
+    the reference the summary prints) and of logits (``logit_ensemble``, as
+    :class:`~fedfuse.models.Ensemble` with ``average="logits"``), so a thousand base models cost
+    a thousand forward passes and one model's worth of memory.
     """
     inputs, labels = test_set.inputs(), test_set.labels
     base: list[dict[str, float]] = []
     log_mixture: torch.Tensor | None = None
+    logit_sum: torch.Tensor | None = None
     bar = tqdm(base_models, desc="evaluating base models", disable=None if progress else True)
     for model in bar:
         logits = predict(model, inputs, device=device)
         base.append(_scores(logits, labels))
         log_probs = logits.double().log_softmax(dim=-1)
         log_mixture = log_probs if log_mixture is None else torch.logaddexp(log_mixture, log_probs)
+        logit_sum = logits.double() if logit_sum is None else logit_sum + logits.double()
         del model
-    if log_mixture is None:
+    if log_mixture is None or logit_sum is None:
         raise ValueError("evaluate_fusion needs at least one base model")
     ensemble = _scores(log_mixture - math.log(len(base)), labels)
     fused_results = {
@@ -61,6 +66,7 @@ def evaluate_fusion(
         "base": base,
         "base_mean_accuracy": sum(r["accuracy"] for r in base) / len(base),
         "ensemble": ensemble,
+        "logit_ensemble": _scores(logit_sum / len(base), labels),
         "fused": fused_results,
         "test_examples": len(test_set),
     }

@@ -21,6 +21,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float]] = {
     "n_init": (1, 1_000),
     "max_iter": (1, 100_000),
     "iterations": (0, 1_000),
+    "match_rounds": (0, 1_000),
     "local_search_swaps": (0, 1_000_000),
     "epochs": (0, 10_000),
     "last_epochs": (0, 10_000),

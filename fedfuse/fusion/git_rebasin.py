@@ -36,6 +36,24 @@ with ``c_A, c_B`` only (class logits have no neuron scores to pair). Optionally 
 :func:`~fedfuse.fusion.blocks.repair.repair` with ``A`` and the permuted ``B`` and ``alpha = (c_A,
 c_B)``.
 
+More than two models: MergeMany (the paper's Alg. 3). Every model ``k`` carries a permutation
+``pi_k`` (start: the identity); a round visits the models in a random order (``seed``) and
+re-matches each one's neurons to the others as already aligned, the assignment minimising the
+``c``-weighted sum of its costs to them, :math:`\sum_{j \ne k} c_j\,C(z^j_{\pi_j(s)}, z^k_s)`
+(for ``"l2"``: matching to the others' weighted mean of aligned pre-activations, up to a
+constant; for ``"correlation"``: the summed correlations with each aligned model); rounds repeat
+until one moves nothing, or ``match_rounds`` of them
+(:func:`~fedfuse.fusion.blocks.matching.merge_many`). The paper runs MergeMany with weight
+matching, which couples the levels; activation matching does not (the pre-activations of the
+original models do not depend on the permutations below), so MergeMany runs level by level (or
+feature space by feature space). The permutations are then expressed with model 0's the identity
+(the fused neurons numbered like model 0's; no function changes), and all aligned models are
+averaged: uniformly, by sample counts, or per neuron by importance, :math:`\lambda_{k,i} \propto
+c_k s^k_{\pi_k(i)}`. For two models the rounds are not run: model 1 is matched once onto model 0,
+which is where MergeMany stops whichever model it visits first (the optimal assignment of one
+onto the other is each one's best reply; only when several assignments tie for the optimum
+could MergeMany's solver settle on another of them), so two models fuse exactly as before.
+
 Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
 with every option. Any other model whose neuron symmetries
 :func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
@@ -71,7 +89,12 @@ from fedfuse.fusion.averaging import average_state_dicts
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
 from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
-from fedfuse.fusion.blocks.matching import correlation, linear_assignment, squared_distances
+from fedfuse.fusion.blocks.matching import (
+    correlation,
+    linear_assignment,
+    merge_many,
+    squared_distances,
+)
 from fedfuse.fusion.blocks.repair import repair as repair_model
 from fedfuse.fusion.blocks.space_alignment import (
     align_model,
@@ -108,46 +131,58 @@ def match_neurons(
         :func:`~fedfuse.fusion.blocks.alignment.permute_level`) and the mean matched correlation or
         squared distance.
     """
-    if cost not in MATCHING_COSTS:
-        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"cannot permute {b.shape[1]} neurons onto {a.shape[1]}")
-    matrix = (
-        -correlation(a, b, batch_size)
-        if cost == "correlation"
-        else squared_distances(a, b, batch_size)
-    )
+    matrix = cost_matrix(a, b, cost, batch_size)
     permutation = linear_assignment(matrix)
     matched = matrix[torch.arange(len(permutation)), permutation.to(matrix.device)].mean()
     return permutation, float(-matched if cost == "correlation" else matched)
 
 
+def cost_matrix(
+    a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
+) -> torch.Tensor:
+    """``(n, n)`` float64 cost between ``a``'s and ``b``'s neurons: minus the correlation, or the
+    squared distance divided by the rows (arguments as :func:`match_neurons`)."""
+    if cost not in MATCHING_COSTS:
+        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"cannot permute {b.shape[1]} neurons onto {a.shape[1]}")
+    if cost == "correlation":
+        return -correlation(a, b, batch_size)
+    return squared_distances(a, b, batch_size)
+
+
 @register_fusion_method
 class GitReBasin(FusionMethod):
-    """Git Re-Basin, activation matching: permute model 1 onto model 0, then average.
+    """Git Re-Basin, activation matching: permute model 1 onto model 0, then average; more
+    models: MergeMany (each model re-matched to the others until none moves), then average.
 
     Args:
         cost: ``"correlation"`` (default) or ``"l2"`` between pre-activations.
         use_scores: average each matched pair of neurons with weights proportional to their
             importance scores (the paper's App. C).
         fallback_scores: score method on the fusion set when scores are used but none given.
-        weighted_average: weight the two models by their sample counts.
+        weighted_average: weight the models by their sample counts.
         repair: apply REPAIR (Jordan et al., 2022) to the fused model (affine levels only).
         reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
             set (models with BatchNorm only; default on).
         device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
         batch_size_capture: samples per forward pass when capturing level outputs.
+        match_rounds: more than two models: most rounds of MergeMany (it stops earlier when a
+            round moves nothing).
+        seed: more than two models: seeds MergeMany's order of visits.
 
     Details: ``weights`` (the model weights ``c``), and ``levels``: per hidden level its
-    ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row),
-    ``moved`` (neurons not matched to their own index), ``permutation`` and ``seconds``; on the
-    feature-space path ``spaces`` instead, the same per space (``matched`` averaged over its
-    probes), and ``path`` (``"levels"`` or ``"spaces"``) in both.
+    ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row,
+    averaged over the pairs of models), ``moved`` (neurons not matched to their own index,
+    summed over models 1..N-1), ``permutation`` (model 1's; two models) or ``permutations``
+    (each model's, model 0's the identity; more), ``rounds`` (MergeMany's) and ``seconds``; on
+    the feature-space path ``spaces`` instead, the same per space (``matched`` averaged over
+    its probes), and ``path`` (``"levels"`` or ``"spaces"``) in both.
     """
 
     name = "git-rebasin"
     requires = frozenset({"data"})
-    max_models = 2  # activation matching is pairwise
+    option_bounds = {"match_rounds": (1, 1_000)}
 
     def __init__(
         self,
@@ -159,6 +194,8 @@ class GitReBasin(FusionMethod):
         reset_batchnorm: bool = True,
         device: str = "auto",
         batch_size_capture: int = 256,
+        match_rounds: int = 100,
+        seed: int = 0,
     ) -> None:
         if cost not in MATCHING_COSTS:
             raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
@@ -172,6 +209,8 @@ class GitReBasin(FusionMethod):
         self.reset_batchnorm = reset_batchnorm
         self.device = device
         self.batch_size_capture = batch_size_capture
+        self.match_rounds = match_rounds
+        self.seed = seed
 
     def check_architecture(self, model: LeveledModel) -> None:
         """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
@@ -220,20 +259,19 @@ class GitReBasin(FusionMethod):
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """Match every feature space of model 1 to model 0's, permute, average."""
+        """Match every feature space of the models (MergeMany), permute, average."""
         device = resolve_device(self.device)
         assert inputs.data is not None
-        weights = averaging_weights(self.name, inputs, 2, self.weighted_average)
-        a, b = models
-        spaces = check_feature_spaces(a)
+        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
+        spaces = check_feature_spaces(models[0])
         details: dict[str, Any] = {
             "path": "spaces",
             "weights": weights,
             "cost": self.cost,
             "spaces": [],
         }
-        maps = {}
-        for space in spaces:
+        maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
+        for position, space in enumerate(spaces):
             started = time.perf_counter()
             captured = [
                 capture_space(
@@ -241,25 +279,38 @@ class GitReBasin(FusionMethod):
                 )
                 for m in models
             ]
-            cost = space_cost(*captured, self.cost, self.batch_size_capture)
+            costs = {
+                (i, j): space_cost(captured[i], captured[j], self.cost, self.batch_size_capture)
+                for i in range(len(models))
+                for j in range(i + 1, len(models))
+            }
             del captured
-            permutation = block_assignment(cost, space.groups)
-            matched = float(cost[torch.arange(space.size), permutation].mean()) / len(space.probes)
-            maps[space.name] = permutation_matrix(permutation)
+            permutations, rounds = merge_many(
+                costs,
+                weights,
+                rounds=self.match_rounds,
+                seed=self.seed + position,
+                assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
+            )
+            matched = _matched(costs, permutations) / len(space.probes)
+            for model_maps, permutation in zip(maps[1:], permutations[1:], strict=True):
+                model_maps[space.name] = permutation_matrix(permutation)
             seconds = time.perf_counter() - started
             details["spaces"].append(
                 {
                     "space": space.name,
                     "matched": -matched if self.cost == "correlation" else matched,
-                    "moved": int((permutation != torch.arange(space.size)).sum()),
-                    "permutation": permutation.tolist(),
+                    **_moves(permutations, rounds),
                     "seconds": seconds,
                 }
             )
             log.debug("%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds)
-        permuted = align_model(b, maps, spaces)
+        aligned = [models[0]] + [
+            align_model(m, model_maps, spaces)
+            for m, model_maps in zip(models[1:], maps[1:], strict=True)
+        ]
         fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-        fused.load_state_dict(average_state_dicts([a, permuted], weights))
+        fused.load_state_dict(average_state_dicts(aligned, weights))
         return fused, details
 
     def _fuse_levels(
@@ -269,7 +320,7 @@ class GitReBasin(FusionMethod):
         hidden = levels[:-1]
         device = resolve_device(self.device)
         assert inputs.data is not None
-        weights = averaging_weights(self.name, inputs, 2, self.weighted_average)
+        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
         scores = (
             resolve_scores(
                 self.name, models, inputs, fallback=self.fallback_scores, device=self.device
@@ -277,7 +328,6 @@ class GitReBasin(FusionMethod):
             if self.use_scores
             else None
         )
-        a, b = models
         captured = [
             capture_levels(
                 m,
@@ -290,7 +340,7 @@ class GitReBasin(FusionMethod):
             )
             for m in models
         ]
-        permuted = copy.deepcopy(b).cpu()
+        permuted = [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
         details: dict[str, Any] = {
             "path": "levels",
             "weights": weights,
@@ -300,37 +350,42 @@ class GitReBasin(FusionMethod):
         lambdas: dict[int, torch.Tensor] = {}
         for index in hidden:
             started = time.perf_counter()
-            permutation, matched = match_neurons(
-                captured[0][index].outputs,
-                captured[1][index].outputs,
-                self.cost,
-                self.batch_size_capture,
+            outputs = [c[index].outputs for c in captured]
+            costs = {
+                (i, j): cost_matrix(
+                    outputs[i], outputs[j], self.cost, self.batch_size_capture
+                ).cpu()
+                for i in range(len(models))
+                for j in range(i + 1, len(models))
+            }
+            permutations, rounds = merge_many(
+                costs, weights, rounds=self.match_rounds, seed=self.seed + index
             )
-            permute_level(permuted, index, permutation)
+            for model, permutation in zip(permuted[1:], permutations[1:], strict=True):
+                permute_level(model, index, permutation)
             if scores is not None:
-                sa = weights[0] * scores[0][index].double()
-                sb = weights[1] * scores[1][index].double()[permutation]
-                total = sa + sb
-                lambdas[index] = torch.where(
-                    total > 0, sa / total.clamp_min(1e-300), torch.tensor(weights[0])
+                lambdas[index] = _score_lambdas(
+                    [w * s[index].double().cpu() for w, s in zip(weights, scores, strict=True)],
+                    permutations,
+                    weights,
                 )
+            matched = _matched(costs, permutations)
             seconds = time.perf_counter() - started
             details["levels"].append(
                 {
-                    "level": a.level_name(index),
-                    "matched": matched,
-                    "moved": int((permutation != torch.arange(len(permutation))).sum()),
-                    "permutation": permutation.tolist(),
+                    "level": models[0].level_name(index),
+                    "matched": -matched if self.cost == "correlation" else matched,
+                    **_moves(permutations, rounds),
                     "seconds": seconds,
                 }
             )
             log.debug("%s level %s: matched %.4g (%.3f s)", self.name, index, matched, seconds)
-        fused = _average(a, permuted, target, weights[0], lambdas)
+        fused = _average(permuted, target, weights, lambdas)
         if self.repair:
             started = time.perf_counter()
             repair_model(
                 fused,
-                [a, permuted],
+                permuted,
                 inputs.data,
                 weights,
                 batch_size=self.batch_size_capture,
@@ -349,23 +404,64 @@ def _affine(model: LeveledModel) -> bool:
     return True
 
 
+def _matched(costs: dict[tuple[int, int], torch.Tensor], permutations: list[torch.Tensor]) -> float:
+    """The mean cost of the aligned neurons, averaged over the pairs of models."""
+    means = [float(cost[permutations[i], permutations[j]].mean()) for (i, j), cost in costs.items()]
+    return sum(means) / len(means)
+
+
+def _moves(permutations: list[torch.Tensor], rounds: int) -> dict[str, Any]:
+    """The details of one level's (or space's) permutations."""
+    identity = torch.arange(len(permutations[0]))
+    moves: dict[str, Any] = {
+        "moved": sum(int((p != identity).sum()) for p in permutations[1:]),
+        "rounds": rounds,
+    }
+    if len(permutations) == 2:
+        moves["permutation"] = permutations[1].tolist()
+    else:
+        moves["permutations"] = [p.tolist() for p in permutations]
+    return moves
+
+
+def _score_lambdas(
+    scores: list[torch.Tensor], permutations: list[torch.Tensor], weights: list[float]
+) -> torch.Tensor:
+    """``(models, n)`` per-neuron averaging weights ``c_k s^k_{pi_k(i)}`` over their sum (the
+    model weights where all are 0); the last row is 1 minus the others."""
+    aligned = [s[p] for s, p in zip(scores, permutations, strict=True)]
+    total = sum(aligned)
+    assert isinstance(total, torch.Tensor)
+    rows = [
+        torch.where(total > 0, a / total.clamp_min(1e-300), torch.tensor(w))
+        for a, w in zip(aligned[:-1], weights[:-1], strict=True)
+    ]
+    return torch.stack([*rows, 1 - sum(rows)])
+
+
 @torch.no_grad()
 def _average(
-    a: LeveledModel,
-    b: LeveledModel,
+    models: list[LeveledModel],
     target: ModelSpec,
-    weight_a: float,
+    weights: list[float],
     lambdas: dict[int, torch.Tensor],
 ) -> LeveledModel:
-    """``lambda * A + (1 - lambda) * B`` per level: per neuron (weight row and bias) on the levels
-    in ``lambdas``, ``weight_a`` elsewhere."""
+    """``sum_k lambda_k M_k`` per level: per neuron (weight row and bias) on the levels in
+    ``lambdas`` (``(models, n)``), the model weights elsewhere; the last model's weight is 1
+    minus the others' (two models: ``lambda A + (1 - lambda) B``)."""
     fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-    views = [affine_levels(m) for m in (a, b, fused)]
-    for index, view in views[2].items():
+    views = [affine_levels(m) for m in models]
+    for index, view in affine_levels(fused).items():
+        rows = [v[index].weights().double().cpu() for v in views]
         lam = lambdas.get(index)
-        wa = views[0][index].weights().double().cpu()
-        wb = views[1][index].weights().double().cpu()
-        lam = torch.full((wa.shape[1],), weight_a, dtype=torch.float64) if lam is None else lam
-        lam = lam.double().cpu()[None]
-        view.set_weights(lam * wa + (1 - lam) * wb)
+        if lam is None:
+            head = torch.tensor(weights[:-1], dtype=torch.float64)[:, None].expand(
+                -1, rows[0].shape[1]
+            )
+            lam = torch.cat([head, (1 - head.sum(0))[None]])
+        lam = lam.double().cpu()
+        total = lam[0][None] * rows[0]
+        for k in range(1, len(rows)):
+            total = total + lam[k][None] * rows[k]
+        view.set_weights(total)
     return fused

@@ -6,7 +6,9 @@ builds its design rows from the fused level's input (the pieces before it alread
 targets (what it should reproduce) from any model's level and that level's input, and loads
 fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram.
 
-* An **affine level** (parameter-free ops then one Linear/Conv2d) is one piece.
+* An **affine level** (parameter-free ops then one Linear/Conv2d) is one piece; its design has
+  the trailing 1 (and ``W`` the bias row) exactly when the layer has a bias, so a bias-free
+  layer is fitted without intercept.
 * A **ResNet stem** is one: its conv with the BatchNorm after it folded in (eval mode,
   ``BN(y) = a y + b``). A **BasicBlock** is two: ``conv1`` onto the inner channels, then
   ``conv2`` (jointly with a projection shortcut's conv) onto the output channels; an identity
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +74,8 @@ class LinearPiece:
 
     Attributes:
         name: the piece's name in fit details (``"conv1"``, ``"conv2+shortcut"``, ``"q+k"``).
-        design: ``(level, level input) -> rows``: the piece's inputs with a trailing 1.
+        design: ``(level, level input) -> rows``: the piece's inputs with a trailing 1 (an
+            affine level's: only when its layer has a bias).
         target: ``(level, level input) -> rows``: the piece's outputs on that level.
         fan_in, width: the design's columns and the outputs' count on a level.
         load: ``(level, W, gram)``: write fitted weights, ``gram`` the design's ``X^T X``.
@@ -225,9 +228,10 @@ def _identity(_level: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _affine(level: nn.Module) -> AffineLevel:
+    """The level's affine view, with an intercept exactly when its layer has a bias."""
     view = affine_view(level)
     assert view is not None
-    return view
+    return replace(view, bias=view.layer.bias is not None)
 
 
 def _conv_piece(
@@ -249,7 +253,7 @@ def _conv_piece(
         parts = []
         for conv_name, conv in zip(convs, modules(level), strict=True):
             inputs = level.relu1(level.bn1(level.conv1(x))) if conv_name == "conv2" else x
-            parts.append(AffineLevel([], conv).design(inputs)[:, :-1])
+            parts.append(AffineLevel([], conv, bias=False).design(inputs))
         return _with_ones(torch.cat(parts, 1))
 
     def load(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
@@ -316,9 +320,9 @@ def _mid(block: EncoderBlock, x: torch.Tensor) -> torch.Tensor:
 def _embedding_design(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
     images = F.pad(x, level.padding) if any(level.padding) else x
     tokens = level.position.shape[1]
-    projection = AffineLevel([], level.projection)
-    fan = projection.fan_in - 1
-    patches = projection.design(images)[:, :-1].reshape(len(images), tokens - 1, fan)
+    projection = AffineLevel([], level.projection, bias=False)
+    fan = projection.fan_in
+    patches = projection.design(images).reshape(len(images), tokens - 1, fan)
     rows = patches.new_zeros(len(images), tokens, fan + tokens)
     rows[:, 1:, :fan] = patches
     rows[:, :, fan:] = torch.eye(tokens, dtype=rows.dtype, device=rows.device)

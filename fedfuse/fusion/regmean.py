@@ -11,7 +11,10 @@ weights whose outputs are closest to every client's own outputs on that client's
         = \Big(\sum_i G_i\Big)^{-1} \sum_i G_i W_i, \qquad G_i = X_i^\top X_i .
 
 Only the Gram matrices ``G_i`` are needed, so the server needs no data and each client sends,
-per level, a ``(fan_in + 1)^2`` matrix (:func:`level_grams` computes them client-side). The paper
+per level, a ``(fan_in + 1)^2`` matrix (:func:`level_grams` computes them client-side). A layer
+without a bias is merged without intercept (``fit_bias``): the same formula on the Grams' leading
+``fan_in x fan_in`` block (the Grams of the design without its 1) and the weights without their
+bias row, so the clients' uploads keep one format. The paper
 regularises by shrinking the non-diagonal entries,
 ``\tilde G_i = \alpha G_i + (1 - \alpha)\,\mathrm{diag}(G_i)``, which interpolates between the
 exact fit (``alpha = 1``) and a per-input-coordinate weighted average (``alpha = 0``). Clients
@@ -51,7 +54,7 @@ Reference:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -59,7 +62,13 @@ from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.affine import _patches, affine_view, output_rows
+from fedfuse.models.affine import (
+    _patches,
+    affine_view,
+    check_fit_bias,
+    fit_intercept,
+    output_rows,
+)
 from fedfuse.models.capture import hooked, run_batches
 
 log = logging.getLogger(__name__)
@@ -293,6 +302,10 @@ class RegMean(FusionMethod):
             only fixes directions no client's data reaches (e.g. dead ReLU inputs, or a constant
             input collinear with the bias), which it sets to the plain average instead of leaving
             them undetermined. Raised tenfold while the solve reports a singular system.
+        fit_bias: whether an affine level's merge has an intercept (the Grams' constant 1):
+            ``"auto"`` exactly when its layer has a bias, True always (an error names a level
+            whose layer has none), False never (a layer's bias is set to 0). A level that is not
+            affine merges each module with its own bias, or without when it has none.
 
     The system is solved in float64 with :func:`torch.linalg.solve_ex` (LU).
     """
@@ -300,23 +313,31 @@ class RegMean(FusionMethod):
     name = "regmean"
     requires = frozenset({"grams"})
 
-    def __init__(self, alpha: float = 0.9, jitter: float = 1e-9) -> None:
+    def __init__(
+        self, alpha: float = 0.9, jitter: float = 1e-9, fit_bias: bool | str = "auto"
+    ) -> None:
+        check_fit_bias(fit_bias, self.name)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"regmean: alpha must be in [0, 1], got {alpha}")
         if not jitter >= 0:
             raise ValueError(f"regmean: jitter must be >= 0, got {jitter}")
         self.alpha = float(alpha)
         self.jitter = float(jitter)
+        self.fit_bias = fit_bias
 
     def check_architecture(self, model: LeveledModel) -> None:
         """Every neuron level must be affine or hold at least one Linear/Conv2d to merge."""
         for index in model.neuron_levels:
             level = model.levels[index]
-            if affine_view(level) is None and not _mergeable_modules(level):
+            view = affine_view(level)
+            if view is None and not _mergeable_modules(level):
                 raise ValueError(
                     f"level {model.level_name(index)} is neither affine nor holds a Linear or "
                     "Conv2d (groups=1, zero padding) to merge by its input Gram"
                 )
+            if view is not None:
+                where = f"{self.name}: level {model.level_name(index)}"
+                fit_intercept(view.layer, self.fit_bias, where=where)
 
     def _gram(
         self, grams: dict[int, torch.Tensor], client: int, level: int, name: str, size: int
@@ -351,8 +372,10 @@ class RegMean(FusionMethod):
         # matrices side by side as the right-hand side): key (level, block or -1).
         systems: dict[tuple[int, int], tuple[str, list[nn.Module], bool, int]] = {}
         for level, view in views.items():
-            if view is not None:
-                systems[level, -1] = (fused.level_name(level), [view.layer], True, view.fan_in)
+            if view is not None:  # the Grams have the 1; a fit without intercept drops it
+                name = fused.level_name(level)
+                bias = fit_intercept(view.layer, self.fit_bias, where=f"{self.name}: level {name}")
+                systems[level, -1] = (name, [view.layer], bias, view.fan_in - int(not bias))
         for level, blocks in layout.items():
             modules = dict(fused.levels[level].named_modules())
             for number, block in enumerate(blocks):
@@ -380,6 +403,8 @@ class RegMean(FusionMethod):
                 gram = self._gram(grams, client, level, fused.level_name(level), sizes[level])
                 if views[level] is not None:
                     weights = affine_view(model.levels[level]).weights().double().cpu()
+                    if not systems[level, -1][2]:  # without intercept: drop the 1 and the bias
+                        gram, weights = gram[:-1, :-1], weights[:-1]
                     self._add(totals, rhs, means, (level, -1), gram, weights, len(models))
                     continue
                 offset = 0
@@ -404,7 +429,7 @@ class RegMean(FusionMethod):
                 totals[key], rhs[key], means[key], self.jitter, name
             )
             if key[1] == -1:
-                views[key[0]].set_weights(merged)
+                replace(views[key[0]], bias=bias).set_weights(merged)
             else:
                 column = 0
                 for module in members:

@@ -14,7 +14,9 @@ fused model is built bottom-up, one neuron level per round:
 2. *Grouping*: neuron ``i`` of model ``k`` is the column ``h_i`` of ``H_k``, a function of the
    fused inputs; with ``G = sum_k G_k = R^T R`` the pooled design's Gram, ``||R (h_i - h_j)||``
    is the distance of two neurons' outputs over all sites' data. The points ``R h_i`` are
-   grouped as in HF (Hungarian matching of two models) or KF (importance-weighted k-means),
+   grouped as in HF (one-to-one Hungarian matching; more than two models: iterative
+   re-matching, :func:`~fedfuse.fusion.blocks.matching.one_to_one_labels`) or KF
+   (importance-weighted k-means),
    weighted by the sites' importance scores.
 3. *Reading*: fused neuron ``c`` is read, on site ``k``'s data, as model ``k``'s neurons in group
    ``c`` (importance-weighted mean), or model ``k``'s nearest neuron when the group has none of
@@ -43,7 +45,7 @@ from tqdm.auto import tqdm
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
-from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
+from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
@@ -52,8 +54,10 @@ from fedfuse.fusion.site_statistics import (
     SiteChannel,
     SiteStatistics,
     StatisticsRequest,
+    without_intercept,
 )
 from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +71,24 @@ class SiteInterpolation(FusionMethod):
     :class:`~fedfuse.fusion.site_statistics.LocalSites`); no fusion set.
 
     Args:
-        grouping: ``"hungarian"`` (two models of equal width) or ``"kmeans"``.
+        grouping: ``"hungarian"`` (models of the target's width, one neuron of each per
+            group) or ``"kmeans"``.
         use_scores: weight neurons by the sites' importance scores (else uniformly).
         score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
         ridge: relative ridge of every level's fit; None chooses it per level by GCV over
             :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID` from the sites' statistics.
+        fit_bias: whether an affine level's fit has an intercept: ``"auto"`` exactly when its
+            layer has a bias (a bias-free layer's design has no column of ones), True always (an
+            error names a level whose layer has none), False never (the server drops the
+            column, :func:`~fedfuse.fusion.site_statistics.without_intercept`, and the layer's
+            bias is 0). The offsets inside ResNet and ViT blocks are always fitted.
         max_samples: samples of each site used for its statistics (None: all).
         statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
         gram_rank: compress each site's Gram of levels wider than this to its top eigenpairs
             plus an isotropic remainder (``fan_in x gram_rank`` floats instead of
             ``fan_in^2``); None sends it in full.
+        match_rounds: Hungarian, more than two models: most rounds of re-matching each model's
+            neurons to the others' groups (0: each matched once to the models before it).
         n_init, max_iter, tol: K-means restarts, Lloyd iterations and relative tolerance.
         seed: seeds k-means, the fused model's unused parameters and the sites' subsets.
         progress: show a progress bar over levels.
@@ -95,9 +107,11 @@ class SiteInterpolation(FusionMethod):
         use_scores: bool = True,
         score_normalization: str = "sum",
         ridge: float | None = None,
+        fit_bias: bool | str = "auto",
         max_samples: int | None = None,
         statistics_dtype: str = "float32",
         gram_rank: int | None = None,
+        match_rounds: int = 50,
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-4,
@@ -114,9 +128,12 @@ class SiteInterpolation(FusionMethod):
         self.use_scores = use_scores
         self.score_normalization = score_normalization
         self.ridge = ridge
+        check_fit_bias(fit_bias, self.name)
+        self.fit_bias = fit_bias
         self.max_samples = max_samples
         self.statistics_dtype = statistics_dtype
         self.gram_rank = gram_rank
+        self.match_rounds = match_rounds
         self.n_init = n_init
         self.max_iter = max_iter
         self.tol = tol
@@ -138,6 +155,10 @@ class SiteInterpolation(FusionMethod):
                     f"ResNet blocks or ViT blocks; {model.spec.arch} level "
                     f"{model.level_name(index)} is none of these; use kf-gradient for it"
                 )
+            view = affine_view(model.levels[index])
+            if view is not None:
+                where = f"{self.name}: level {model.level_name(index)}"
+                fit_intercept(view.layer, self.fit_bias, where=where)
 
     # ------------------------------------------------------------------ checks
     def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
@@ -159,10 +180,10 @@ class SiteInterpolation(FusionMethod):
             )
         if self.grouping == "hungarian":
             widths = {m.spec.widths for m in models} | {target.widths}
-            if len(models) != 2 or len(widths) != 1:
+            if len(widths) != 1:
                 raise ValueError(
-                    f"{self.name}: Hungarian grouping needs exactly 2 models of the target's "
-                    f"width (got {len(models)} models, widths {sorted(widths)}); use kf-sites"
+                    f"{self.name}: Hungarian grouping matches models of the target's width "
+                    f"one-to-one (got widths {sorted(widths)}); use kf-sites"
                 )
         return levels
 
@@ -252,6 +273,9 @@ class SiteInterpolation(FusionMethod):
                 f"{self.name}: statistics of level {name} came from sites {active} only: "
                 + "; ".join(sites.problems)
             )
+        intercept, drop_ones = self._intercept(level, piece, name)
+        if drop_ones:
+            statistics = {m: without_intercept(s) for m, s in statistics.items()}
         is_head = index == fused.neuron_levels[-1]
         weights = {
             m: torch.ones(s.cross.shape[1]) if piece.inner else scores[m][index]
@@ -272,6 +296,8 @@ class SiteInterpolation(FusionMethod):
                 stream.clear()
                 stream.update(info.pop("readings"))
             info.pop("readings", None)
+        if len(fitted) < piece.fan_in(level):  # fitted without the intercept: bias 0
+            fitted = torch.cat([fitted, fitted.new_zeros(1, fitted.shape[1])])
         piece.load(level, fitted, gram)
         info.update(
             level=fused.level_name(index),
@@ -282,6 +308,8 @@ class SiteInterpolation(FusionMethod):
         )
         if piece.name != "affine":
             info["piece"] = piece.name
+        else:
+            info["intercept"] = intercept
         details["levels"].append(info)
         details["rounds"].append(
             {
@@ -290,6 +318,16 @@ class SiteInterpolation(FusionMethod):
             }
         )
         return active
+
+    def _intercept(self, level: nn.Module, piece: LinearPiece, name: str) -> tuple[bool, bool]:
+        """Whether the piece's fit has an intercept (``fit_bias``; a block's pieces always),
+        and whether the sites' design has a 1 the fit drops (an affine level fitted without
+        intercept although its layer has a bias)."""
+        view = affine_view(level) if piece.name == "affine" else None
+        if view is None:
+            return True, False
+        intercept = fit_intercept(view.layer, self.fit_bias, where=f"{self.name}: level {name}")
+        return intercept, not intercept and view.layer.bias is not None
 
     def _fit_level(
         self,
@@ -377,11 +415,11 @@ class SiteInterpolation(FusionMethod):
     def _group(
         self, points: torch.Tensor, weights: torch.Tensor, sizes: list[int], k: int, index: int
     ) -> torch.Tensor:
-        """The group of each point (rows, model by model, ``sizes`` each): Hungarian pairs of
-        two models, or importance-weighted k-means (groups in model 0's order when ``k`` is
-        its size)."""
+        """The group of each point (rows, model by model, ``sizes`` each): one neuron of each
+        model per group (Hungarian), or importance-weighted k-means; groups in model 0's order
+        (k-means: when ``k`` is its size)."""
         if self.grouping == "hungarian":
-            return pair_labels(points[: sizes[0]], points[sizes[0] :], *weights.split(sizes))
+            return one_to_one_labels(points, weights, sizes, rounds=self.match_rounds)
         result = weighted_kmeans(
             points.float(),
             weights.float(),
@@ -478,14 +516,19 @@ def _cholesky_upper(gram: torch.Tensor) -> torch.Tensor:
 @register_fusion_method
 @fixed_variant("hungarian", without=("n_init", "max_iter", "tol"))
 class HFSites(SiteInterpolation):
-    """Hungarian Fusion fitted on the sites' statistics: two models, one-to-one grouping."""
+    """Hungarian Fusion fitted on the sites' statistics: any number of models of the target's
+    width, one neuron of each per group. Two models: exact Hungarian matching. More: iterative
+    matching (as :mod:`hf-linear <fedfuse.fusion.neuron_interpolation.variants>`): model 0 the
+    pivot for the start, then each model's neurons re-matched to the others' groups, every step
+    the exact Hungarian minimiser of the groups' importance-weighted k-means cost given the
+    others, until a round moves nothing or ``match_rounds`` rounds
+    (:func:`~fedfuse.fusion.blocks.matching.one_to_one_labels`)."""
 
     name = "hf-sites"
-    max_models = 2
 
 
 @register_fusion_method
-@fixed_variant("kmeans")
+@fixed_variant("kmeans", without=("match_rounds",))
 class KFSites(SiteInterpolation):
     """K-means Fusion fitted on the sites' statistics: any number of models, any width."""
 

@@ -6,7 +6,8 @@ build it bottom-up, one round per linear piece of each neuron level (one for an 
 the fused model (its levels below ``l`` are final) in a :class:`StatisticsRequest`; each site
 runs the fused prefix and its **own** model on its own training data and returns
 (:func:`site_statistics`), with ``X`` the fused level's design rows (its inputs with a trailing
-1, unfolded for convolutions) and ``Z`` the site model's level-``l`` outputs on the same rows:
+1 where the fused layer has a bias, unfolded for convolutions) and ``Z`` the site model's
+level-``l`` outputs on the same rows:
 
 * ``gram = X^T X`` (``fan_in x fan_in``): the fused inputs' second moments on the site;
 * ``cross = X^T Z`` (``fan_in x width``): how the site's neurons relate to the fused inputs;
@@ -32,7 +33,7 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -348,6 +349,29 @@ def pooled(statistics: Sequence[SiteStatistics]) -> tuple[torch.Tensor, torch.Te
     return gram, target, sum(s.rows for s in statistics)  # type: ignore[return-value]
 
 
+def without_intercept(statistics: SiteStatistics) -> SiteStatistics:
+    """The statistics of the same rows without the design's last column (its 1: an affine
+    level fitted without intercept although its layer has a bias): the Gram's leading block
+    (in full, reconstructed when compressed), ``cross`` and ``stream_cross`` without their last
+    row, and the translation refitted on them as the site fits it (GCV), so the grouping reads
+    the neurons through the design the server fits."""
+    gram = statistics.full_gram()[:-1, :-1]
+    cross = statistics.cross.double()[:-1]
+    targets = statistics.target_gram.double().diagonal()
+    fit = ridge_fit(gram, cross, targets, statistics.rows)
+    wire = statistics.cross.dtype
+    stream_cross = statistics.stream_cross
+    return replace(
+        statistics,
+        gram=gram.to(wire),
+        gram_floor=0.0,
+        cross=cross.to(wire),
+        translation=fit.weights.to(wire),
+        translation_ridge=fit.ridge,
+        stream_cross=None if stream_cross is None else stream_cross[:-1],
+    )
+
+
 def statistics_round_bytes(details: dict, num_sites: int) -> list[list[int]]:
     """Bytes each site uploaded in each statistics round (``[round][site]``, 0 where it sent
     nothing), from a fusion result's details (empty for methods without such rounds)."""
@@ -405,4 +429,5 @@ __all__ = [
     "compress_gram",
     "site_statistics",
     "statistics_round_bytes",
+    "without_intercept",
 ]

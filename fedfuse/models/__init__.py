@@ -6,6 +6,7 @@ from __future__ import annotations
 from fedfuse.models.adapter import ModelAdapter
 from fedfuse.models.ensemble import Ensemble
 from fedfuse.models.importance import Scores, importance_scores
+from fedfuse.models.lenet import build_lenet5, lenet5_spec
 from fedfuse.models.leveled import LeveledModel, corresponding_levels
 from fedfuse.models.mlp import build_mlp, mlp_spec
 from fedfuse.models.registry import (
@@ -30,12 +31,14 @@ __all__ = [
     "Scores",
     "ModelSpec",
     "build_model",
+    "build_lenet5",
     "build_mlp",
     "build_resnet",
     "build_vit",
     "corresponding_levels",
     "importance_scores",
     "build_vgg11",
+    "lenet5_spec",
     "make_spec",
     "mlp_spec",
     "parameter_shapes",

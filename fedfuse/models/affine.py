@@ -6,12 +6,18 @@ A level is *affine* when it is parameter-free operations (e.g. ``Flatten``) foll
 or its unfolded patch, with a trailing 1 for the bias) times ``W`` of shape ``(fan_in, out)``,
 ``fan_in`` counting the bias row.
 That is what makes the closed-form (Linear) fusion variants possible.
+
+A view *without intercept* (``bias=False``) drops the trailing 1 and the bias row: the fit of a
+layer without a bias is then a least-squares problem without intercept, not a fit with one
+whose bias is dropped. :func:`fit_intercept` decides which a fit uses (a method's
+``fit_bias`` option).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,36 +26,49 @@ from torch import nn
 
 @dataclass
 class AffineLevel:
-    """The parameter-free prefix and the one affine layer of a level."""
+    """The parameter-free prefix and the one affine layer of a level.
+
+    ``bias``: whether the design rows carry the trailing 1 and ``W`` the bias row (the
+    default, whatever the layer: a bias-free layer reads as bias 0 and :meth:`set_weights`
+    drops the row); False: no intercept, ``W`` is the weight alone and :meth:`set_weights`
+    zeroes a bias the layer has.
+    """
 
     prefix: list[nn.Module]
     layer: nn.Linear | nn.Conv2d
+    bias: bool = True
 
     @property
     def fan_in(self) -> int:
-        """Rows of ``W``: the inputs of one output neuron plus one for the bias."""
+        """Rows of ``W``: the inputs of one output neuron, plus one for the bias (if any)."""
         weight = self.layer.weight
-        return weight[0].numel() + 1
+        return weight[0].numel() + int(self.bias)
 
     def weights(self) -> torch.Tensor:
         """The layer's parameters as ``W`` of shape ``(fan_in, out)``, the bias as the last row."""
         weight = self.layer.weight.detach().flatten(1)
+        if not self.bias:
+            return weight.T
         bias = self.layer.bias
         bias = bias.detach() if bias is not None else torch.zeros(len(weight), device=weight.device)
         return torch.cat([weight, bias[:, None]], 1).T
 
     @torch.no_grad()
     def set_weights(self, w: torch.Tensor) -> None:
-        """Load ``W`` of shape ``(fan_in, out)`` (bias last) into the layer."""
+        """Load ``W`` of shape ``(fan_in, out)`` (bias last, if the view has one) into the layer."""
         weight = self.layer.weight
         if w.shape != (self.fan_in, weight.shape[0]):
             raise ValueError(
                 f"weights of shape {tuple(w.shape)} do not fit {self.layer}, "
                 f"which needs ({self.fan_in}, {weight.shape[0]})"
             )
-        weight.copy_(w[:-1].T.reshape(weight.shape).to(weight.dtype))
+        rows = w[:-1] if self.bias else w
+        weight.copy_(rows.T.reshape(weight.shape).to(weight.dtype))
         if self.layer.bias is not None:
-            self.layer.bias.copy_(w[-1].to(weight.dtype))
+            if self.bias:
+                self.layer.bias.copy_(w[-1].to(weight.dtype))
+            else:
+                self.layer.bias.zero_()
 
     def layer_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         for module in self.prefix:
@@ -57,12 +76,15 @@ class AffineLevel:
         return inputs
 
     def design(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Design rows ``(N, fan_in)`` for a batch of level inputs (a trailing 1 for the bias)."""
+        """Design rows ``(N, fan_in)`` for a batch of level inputs (a trailing 1 for the bias,
+        if the view has one)."""
         x = self.layer_inputs(inputs)
         if isinstance(self.layer, nn.Linear):
             rows = x.reshape(len(x), -1)
         else:
             rows = _patches(x, self.layer)
+        if not self.bias:
+            return rows
         return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
 
     def design_batches(self, inputs: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
@@ -71,22 +93,49 @@ class AffineLevel:
             yield self.design(inputs[start : start + batch_size])
 
 
-def affine_view(level: nn.Module) -> AffineLevel | None:
-    """The :class:`AffineLevel` view of ``level``, or None if it is not an affine level."""
+def affine_view(level: nn.Module, *, bias: bool = True) -> AffineLevel | None:
+    """The :class:`AffineLevel` view of ``level`` (``bias``: with the intercept column and bias
+    row), or None if it is not an affine level."""
     modules = list(level) if isinstance(level, nn.Sequential) else [level]
     *prefix, last = modules
     if any(any(True for _ in m.parameters()) for m in prefix):
         return None
     if isinstance(last, nn.Linear):
-        return AffineLevel(prefix, last)
+        return AffineLevel(prefix, last, bias)
     if (
         isinstance(last, nn.Conv2d)
         and last.groups == 1
         and last.padding_mode == "zeros"
         and isinstance(last.padding, tuple)
     ):
-        return AffineLevel(prefix, last)
+        return AffineLevel(prefix, last, bias)
     return None
+
+
+#: the values of the fits' ``fit_bias`` option
+FIT_BIAS: tuple[Any, ...] = ("auto", True, False)
+
+
+def check_fit_bias(value: Any, method: str) -> None:
+    """Raise ValueError naming ``method`` unless ``value`` is one of :data:`FIT_BIAS`."""
+    if not (value == "auto" or isinstance(value, bool)):
+        raise ValueError(f"{method}: fit_bias must be 'auto', true or false, got {value!r}")
+
+
+def fit_intercept(layer: nn.Module, fit_bias: Any, *, where: str) -> bool:
+    """Whether a closed-form fit of ``layer`` has an intercept (a bias column): ``fit_bias``
+    ``"auto"`` exactly when the layer has a bias, True always (a ValueError naming ``where`` when
+    the layer has none: the fitted bias could not be kept), False never (a bias the layer has is
+    set to 0)."""
+    has_bias = getattr(layer, "bias", None) is not None
+    if fit_bias == "auto":
+        return has_bias
+    if fit_bias and not has_bias:
+        raise ValueError(
+            f"{where}: fit_bias=True, but its layer {layer} has no bias to hold the fitted one; "
+            "use fit_bias='auto' (a bias exactly where the layer has one) or false"
+        )
+    return bool(fit_bias)
 
 
 def output_rows(outputs: torch.Tensor) -> torch.Tensor:

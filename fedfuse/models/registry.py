@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from fedfuse.models.lenet import build_lenet5, lenet5_spec
 from fedfuse.models.leveled import LeveledModel
 from fedfuse.models.mlp import build_mlp, mlp_spec
 from fedfuse.models.resnet import build_resnet, resnet_spec
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, Callable[[ModelSpec], LeveledModel]] = {
     "vgg11": build_vgg11,
     "resnet": build_resnet,
     "vit": build_vit,
+    "lenet5": build_lenet5,
 }
 BUILTIN_ARCHITECTURES = frozenset(ARCHITECTURES)
 
@@ -33,6 +35,7 @@ SPEC_BUILDERS: dict[str, Callable[..., ModelSpec]] = {
     "vgg11": vgg11_spec,
     "resnet": resnet_spec,
     "vit": vit_spec,
+    "lenet5": lenet5_spec,
 }
 
 
@@ -68,9 +71,10 @@ def parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def make_spec(
     arch: str, input_shape: tuple[int, ...], num_classes: int, **options: object
 ) -> ModelSpec:
-    """Spec from user-facing options: ``mlp`` takes ``widths``; ``vgg11`` ``width_multiplier``;
-    ``resnet`` ``depth``, ``width_multiplier``, ``stem``, ``blocks``; ``vit`` ``patch``,
-    ``depth``, ``heads``, ``hidden``, ``mlp``."""
+    """Spec from user-facing options: ``mlp`` takes ``widths``, ``bias``; ``vgg11``
+    ``width_multiplier``; ``resnet`` ``depth``, ``width_multiplier``, ``stem``, ``blocks``;
+    ``vit`` ``patch``, ``depth``, ``heads``, ``hidden``, ``mlp``; ``lenet5`` ``widths``,
+    ``bias``, ``padding``."""
     try:
         builder = SPEC_BUILDERS[arch]
     except KeyError:

@@ -310,6 +310,7 @@ def overrides_from_settings(settings: RunSettings, sites: int | None = None) -> 
                 "vgg11": ("width_multiplier",),
                 "resnet": ("options",),
                 "vit": ("options",),
+                "lenet5": ("options",),
             }
             if key.path.split(".")[1] not in own_model.get(settings.model, ()):
                 continue

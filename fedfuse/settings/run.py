@@ -41,7 +41,7 @@ from fedfuse.training.finetune import FINETUNE_DATA
 from fedfuse.training.loop import OPTIMIZERS, TrainConfig
 
 INIT_MODES = ("independent", "shared")
-MODELS = ("mlp", "vgg11", "resnet", "vit")
+MODELS = ("mlp", "vgg11", "resnet", "vit", "lenet5")
 #: samples in the server's fusion set (run config ``fusion-samples``, Hydra
 #: ``fusion_set.samples``; the paper's 400)
 DEFAULT_FUSION_SAMPLES = 400
@@ -333,7 +333,7 @@ class RunSettings:
             return {"widths": tuple(parse_widths(self.mlp_widths, "mlp-widths"))}
         if self.model == "vgg11":
             return {"width_multiplier": self.vgg_width_multiplier}
-        if self.model in ("resnet", "vit"):
+        if self.model in ("resnet", "vit", "lenet5"):
             try:
                 return parse_options(self.model_options)
             except ValueError as error:

@@ -20,7 +20,7 @@ from fedfuse.federation.site import train_site
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
 from fedfuse.io.atomic import write_json
-from fedfuse.models import Ensemble, mlp_spec, vgg11_spec
+from fedfuse.models import Ensemble, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.settings.run import RunSettings
 from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
 from fedfuse.training.loop import evaluate
@@ -62,20 +62,17 @@ def test_every_method_states_what_it_can_fuse_before_training():
         if "data" in cls.requires:
             with pytest.raises(ValueError, match="a fusion set on the server"):
                 method.check_run(2, mlp, available={"scores", "sample_counts"})
-    assert {n for n, c in FUSION_METHODS.items() if c.max_models == 2} == {
-        "hf-linear",
-        "hf-gradient",
-        "hf-sites",
-        "git-rebasin",
-    }
+    # no method refuses a run only for its number of sites (issue 25: HF and Git Re-Basin fuse N)
+    assert {n for n, c in FUSION_METHODS.items() if c.max_models is not None} == set()
 
 
 def test_the_default_strategy_fuses_any_number_of_sites():
     methods = RunSettings().fusion_methods()
     for sites in (2, 3, 10, 100, 1000):
         check_methods(methods, sites, mlp_spec((1, 28, 28), 10, (512, 512, 512)))
-    with pytest.raises(MethodsUnfit, match="1 of the listed fusion methods.*hf-linear"):
-        check_methods(RunSettings(methods="kf-linear,hf-linear").fusion_methods(), 3, None)
+    resnet = resnet_spec((3, 32, 32), 10)
+    with pytest.raises(MethodsUnfit, match="1 of the listed fusion methods.*fs-merge: cannot"):
+        check_methods(RunSettings(methods="kf-linear,fs-merge").fusion_methods(), 3, resnet)
 
 
 def test_the_run_device_reaches_every_method_that_takes_one():
@@ -92,9 +89,9 @@ def test_the_run_device_reaches_every_method_that_takes_one():
 def test_simulate_refuses_an_unfit_method_before_flower_starts(capsys, tmp_path):
     started = time.monotonic()
     argv = ["simulate", "--num-clients", "3", "--output-dir", str(tmp_path)]
-    assert main([*argv, "--run-config", "strategy='kf-linear,hf-linear'"]) == 2
+    assert main([*argv, "--run-config", "strategy='kf-linear,fs-merge' model='resnet'"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "hf-linear fuses at most 2 models, got 3" in err
+    assert err.count("\n") == 1 and "fs-merge: cannot fuse resnet models" in err
     assert main([*argv, "--run-config", "no-such-key=1"]) == 2
     assert "unknown run config key 'no-such-key'" in capsys.readouterr().err
     assert time.monotonic() - started < 20  # no SuperLink, no Ray
@@ -169,8 +166,8 @@ def test_a_saved_run_is_fused_again_with_another_method(uploads, tmp_path, capsy
     assert "fused 3 models with otfusion" in printed and "fused: otfusion" in printed
     assert out.is_file()
     assert main(["fuse", str(run), "--method", "regmean", "--output", str(tmp_path / "r")]) == 0
-    assert main(["fuse", str(run), "--method", "hf-linear"]) == 2
-    assert "hf-linear fuses at most 2 models, got 3" in capsys.readouterr().err
+    assert main(["fuse", str(run), "--method", "hf-linear", "--output", str(tmp_path / "h")]) == 0
+    assert "fused 3 models with hf-linear" in capsys.readouterr().out  # N models, matched
     assert main(["fuse", str(tmp_path / "missing-run")]) == 2
 
 

@@ -1,9 +1,10 @@
 """The contract every registered fusion method keeps (a new method is covered by registering it).
 
-For each name in ``FUSION_METHODS``, on two tiny MLPs: the inputs are left as they were, the
-fused model has the requested spec and runs, a seeded fusion is repeatable, the method and its
-config pickle, ``needs()`` covers what it reads (any other input may go), and bad inputs get an
-error that names the field, the model or the problem.
+For each name in ``FUSION_METHODS``, on two tiny MLPs (and on 3 and 5: every method fuses
+more than two): the inputs are left as they were, the fused model has the requested spec and
+runs, a seeded fusion is repeatable, the method and its config pickle, ``needs()`` covers what
+it reads (any other input may go), and bad inputs get an error that names the field, the model
+or the problem.
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ def full(models):
         ],
         sample_counts=[30, 50],
         class_counts=[[10, 15, 5], [20, 0, 30]],
+        grams=[level_grams(m, randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
+        sites=LocalSites(
+            models, [randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
+        ),
+    )
+
+
+def inputs_for(models, seed: int = 5) -> FusionInputs:
+    """Every FusionInputs field, well-formed, for ``models``."""
+    generator = torch.Generator().manual_seed(seed)
+    return FusionInputs(
+        data=randn(1, 24, 1, 4, 4),
+        labels=torch.randint(0, 3, (24,), generator=generator),
+        scores=[
+            {i: torch.rand(m.level_width(i), generator=generator) + 0.1 for i in m.neuron_levels}
+            for m in models
+        ],
+        sample_counts=[30 + 20 * k for k in range(len(models))],
+        class_counts=[[10 + k, 15 * (k % 2), 5 + 2 * k] for k in range(len(models))],
         grams=[level_grams(m, randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
         sites=LocalSites(
             models, [randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
@@ -145,6 +165,22 @@ def test_the_fused_model_has_the_requested_spec_and_runs(name, models, full):
                 assert all(w <= c for w, c in zip(fused.spec.widths, narrow.widths, strict=True))
             else:
                 assert fused.spec == narrow
+
+
+@pytest.mark.parametrize("count", [3, 5])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_fuses_more_than_two_models(name, count):
+    many = [build_model(SPEC, seed=seed).eval() for seed in range(count)]
+    fusion = method(name)
+    fusion.check_run(count, SPEC)
+    fused = fusion.fuse(many, inputs_for(many)).model
+    if FUSION_METHODS[name].chooses_widths:
+        assert fused.spec.with_widths(SPEC.widths) == SPEC
+    else:
+        assert fused.spec == SPEC
+    with torch.no_grad():
+        logits = fused(randn(3, 7, 1, 4, 4))
+    assert logits.shape == (7, 3) and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("name", NAMES)

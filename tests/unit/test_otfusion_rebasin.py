@@ -165,12 +165,6 @@ def test_weights_ground_metric_needs_no_data_but_activations_do():
         GitReBasin().fuse([a, b])
 
 
-def test_git_rebasin_is_pairwise():
-    models = [build_model(MLP, seed=s) for s in range(3)]
-    with pytest.raises(ValueError, match="git-rebasin fuses at most 2 models, got 3"):
-        make_fusion_method("git-rebasin").fuse(models, FusionInputs(data=data_for(MLP)))
-
-
 def test_git_rebasin_score_weighted_average():
     a, b = build_model(MLP, seed=0), build_model(MLP, seed=1)
     x = data_for(MLP)

@@ -20,6 +20,8 @@ ROW_FORMAT = "fedfuse-compare-row/1"
 ZERO_SHOT, FINETUNED = "zero-shot", "finetuned"
 BASE_LABEL = "base models (mean)"
 ENSEMBLE_LABEL = "ensemble"
+#: the ensemble of mean logits, a second reference (rows from before it existed lack it)
+LOGIT_ENSEMBLE_LABEL = "ensemble (mean logits)"
 NO_STD = "–"  # shown for the std of a single value (and for any absent number)
 
 _REQUIRED = ("row_id", "status", "experiment", "partition", "sites", "seed", "label")
@@ -197,10 +199,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
     for (table, sites), group in references.items():
         seeds = tuple(sorted(int(r["seed"]) for r in group))
         examples = group[0].get("test_examples")
-        for label, accuracy, loss in (
+        series = [
             (BASE_LABEL, "base_mean_accuracy", None),
             (ENSEMBLE_LABEL, "ensemble_accuracy", "ensemble_loss"),
-        ):
+        ]
+        if any(isinstance(r.get("logit_ensemble_accuracy"), int | float) for r in group):
+            series.append((LOGIT_ENSEMBLE_LABEL, "logit_ensemble_accuracy", "logit_ensemble_loss"))
+        for label, accuracy, loss in series:
             summary.append(
                 SummaryRow(
                     table=table,

@@ -16,7 +16,11 @@ r"""Matching neurons: the costs between them and the one-to-one assignment (Hung
   as used by Hungarian Fusion (pairing two models' neurons; ordering K-means clusters like model
   0's neurons), Git Re-Basin (the permutation of model 1's neurons) and FedMA (each client's
   neurons to global neurons, maximising the posterior gain).
-* :func:`pair_labels`: two equal-width sets of weighted neurons paired into clusters of two.
+* :func:`pair_labels`: two equal-width sets of weighted neurons paired into clusters of two;
+  :func:`one_to_one_labels`: any number of them, one neuron of each per cluster (Hungarian
+  Fusion of N models, block-coordinate descent over the models).
+* :func:`merge_many`: Git Re-Basin's MergeMany from the models' pairwise costs (each model's
+  permutation matched, in random order, to the others' already aligned units until none moves).
 
 Reference: H. W. Kuhn, "The Hungarian method for the assignment problem", 1955; D. F. Crouse,
 "On implementing 2D rectangular assignment algorithms", IEEE TAES 2016 (SciPy's solver).
@@ -24,7 +28,7 @@ Reference: H. W. Kuhn, "The Hungarian method for the assignment problem", 1955; 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from scipy.optimize import linear_sum_assignment
@@ -83,6 +87,144 @@ def pair_labels(
     labels[:n] = torch.arange(n, device=a.device)
     labels[n + match] = torch.arange(n, device=a.device)
     return labels
+
+
+def one_to_one_labels(
+    points: torch.Tensor, weights: torch.Tensor, widths: Sequence[int], *, rounds: int = 50
+) -> torch.Tensor:
+    r"""Cluster labels of ``N`` equal-width sets of weighted points, one point of each per cluster.
+
+    Hungarian Fusion's grouping for any number of models. The objective is the weighted k-means
+    cost :math:`J = \sum_c \sum_{j \in c} s_j \lVert p_j - T_c \rVert^2` (``T_c`` the cluster's
+    weighted mean), each cluster holding exactly one point of every set: for two sets a linear
+    assignment solved exactly (:func:`pair_labels`), for more an ``N``-dimensional assignment
+    (NP-hard), minimised here by block-coordinate descent over the sets. With set ``m``'s points
+    taken out, cluster ``c`` has weighted mean :math:`T_c^{-m}` and mass :math:`S_c^{-m}`, and
+    adding a point ``p`` of weight ``t`` raises its cost by exactly
+    :math:`\frac{S t}{S + t} \lVert T^{-m}_c - p \rVert^2` (:func:`pairing_cost`), so the
+    Hungarian solution of that matrix is set ``m``'s best assignment given the others, and
+    :math:`J` never increases.
+
+    Start: set 0 is the pivot; sets ``1 .. N-1`` are matched in turn to the clusters formed so
+    far. Then each round re-matches every set, in order ``0 .. N-1``, to the others; it stops
+    after a round that moves nothing, or after ``rounds`` rounds (0: the start only).
+
+    Args:
+        points: ``(sum(widths), d)`` points, set by set.
+        weights: ``(sum(widths),)`` non-negative weights.
+        widths: the sets' sizes, all equal.
+        rounds: most rounds of re-matching after the start (``N > 2``).
+
+    Returns:
+        ``(sum(widths),)`` int64 labels on ``points``' device; cluster ``i`` holds set 0's
+        point ``i``. Two sets: exactly :func:`pair_labels`.
+    """
+    n = widths[0]
+    if any(w != n for w in widths) or sum(widths) != len(points):
+        raise ValueError(
+            f"one-to-one grouping needs sets of equal size covering the {len(points)} points, "
+            f"got sizes {list(widths)}"
+        )
+    if len(widths) == 1:
+        return torch.arange(n, device=points.device)
+    sets, masses = points.split(list(widths)), weights.split(list(widths))
+    if len(widths) == 2:
+        return pair_labels(sets[0], sets[1], masses[0], masses[1])
+    masses = weights.to(points.dtype).split(list(widths))
+    # slots[m][c]: set m's point in cluster c; parts[m]: its weighted points in cluster order
+    slots = [torch.arange(n, device=points.device)]
+    parts = [(masses[0][:, None] * sets[0], masses[0])]
+
+    def best(m: int, others: list[int]) -> torch.Tensor:
+        total = sum(parts[j][0] for j in others)
+        mass = sum(parts[j][1] for j in others)
+        assert isinstance(total, torch.Tensor) and isinstance(mass, torch.Tensor)
+        centres = total / mass.clamp_min(torch.finfo(mass.dtype).tiny)[:, None]
+        return linear_assignment(pairing_cost(centres, sets[m], mass, masses[m])).to(points.device)
+
+    for m in range(1, len(widths)):
+        slots.append(best(m, list(range(m))))
+        parts.append((masses[m][slots[m], None] * sets[m][slots[m]], masses[m][slots[m]]))
+    for _ in range(rounds):
+        moved = False
+        for m in range(len(widths)):
+            slot = best(m, [j for j in range(len(widths)) if j != m])
+            if not torch.equal(slot, slots[m]):
+                moved = True
+                slots[m] = slot
+                parts[m] = (masses[m][slot, None] * sets[m][slot], masses[m][slot])
+        if not moved:
+            break
+    labels = torch.empty(len(points), dtype=torch.long, device=points.device)
+    for m, slot in enumerate(slots):  # cluster c takes the number of set 0's point in it
+        labels[m * n + slot] = slots[0]
+    return labels
+
+
+def merge_many(
+    costs: Mapping[tuple[int, int], torch.Tensor],
+    weights: Sequence[float],
+    *,
+    rounds: int = 100,
+    seed: int = 0,
+    assign: Callable[[torch.Tensor], torch.Tensor] = linear_assignment,
+) -> tuple[list[torch.Tensor], int]:
+    r"""Git Re-Basin's MergeMany (Ainsworth et al., 2023, Alg. 3) on pairwise unit costs.
+
+    Every model ``i`` carries a permutation :math:`\pi_i` (start: the identity); unit slot
+    ``s`` of the merged model is unit :math:`\pi_i(s)` of model ``i``. A round visits the models
+    in a random order and re-matches each to the others as already aligned,
+
+    .. math::
+        \pi_i \leftarrow \operatorname*{arg\,min}_{\pi} \sum_s \sum_{j \ne i}
+            c_j\, C_{ji}\bigl(\pi_j(s), \pi(s)\bigr),
+
+    a linear assignment; rounds repeat until one moves nothing, or ``rounds`` of them. For an
+    inner-product similarity (weight matching; minus the correlation) and for squared distances
+    this is matching model ``i`` to the ``c``-weighted mean of the others (the squared distance
+    up to a constant); for correlations it sums the correlations with each aligned model.
+
+    Args:
+        costs: for every pair ``i < j``, the ``(n, n)`` cost ``C_ij[a, b]`` between unit ``a``
+            of model ``i`` and unit ``b`` of model ``j`` (a symmetric measure: ``C_ji =
+            C_ij^T``).
+        weights: the models' weights ``c`` (the mean of the others is ``c``-weighted).
+        rounds: most rounds.
+        seed: seeds the order of the visits.
+        assign: the assignment solver (``assign(M)[s]``: the unit placed in slot ``s``), e.g.
+            one matching attention heads block by block.
+
+    Returns:
+        Each model's permutation, expressed so that model 0's is the identity (the merged units
+        numbered like model 0's; a relabelling that changes no function), and the rounds run.
+        Two models: model 1 matched once onto model 0 (what MergeMany converges to from either
+        first visit, as the optimal assignment of one onto the other is its own best reply).
+    """
+    count = len(weights)
+    n = costs[(0, 1)].shape[0]
+    identity = torch.arange(n)
+    if count == 2:
+        return [identity, assign(costs[(0, 1)])], 1
+
+    def pair(j: int, i: int) -> torch.Tensor:
+        return costs[(j, i)] if j < i else costs[(i, j)].T
+
+    permutations = [identity.clone() for _ in range(count)]
+    generator = torch.Generator().manual_seed(seed)
+    done = 0
+    while done < rounds:
+        done += 1
+        moved = False
+        for i in torch.randperm(count, generator=generator).tolist():
+            total = sum(weights[j] * pair(j, i)[permutations[j]] for j in range(count) if j != i)
+            assert isinstance(total, torch.Tensor)
+            permutation = assign(total)
+            if not torch.equal(permutation, permutations[i]):
+                moved, permutations[i] = True, permutation
+        if not moved:
+            break
+    inverse = torch.argsort(permutations[0])
+    return [p[inverse] for p in permutations], done
 
 
 def neuron_rows(outputs: torch.Tensor, batch_size: int = 256) -> Iterator[torch.Tensor]:

@@ -1,8 +1,10 @@
 """Grouping one level's base neurons into the fused level's neurons: Hungarian or K-means.
 
 Each base neuron is a point (its outputs over the fusion set, or their coordinates in the fused
-design's basis) with an importance weight. Hungarian Fusion (HF) pairs two equal-width models'
-neurons one-to-one; K-means Fusion (KF) clusters any number of models' neurons by
+design's basis) with an importance weight. Hungarian Fusion (HF) groups equal-width models'
+neurons one-to-one, one neuron of each model per group (two models: exact Hungarian matching;
+more: block-coordinate descent, :func:`~fedfuse.fusion.blocks.matching.one_to_one_labels`);
+K-means Fusion (KF) clusters any number of models' neurons by
 importance-weighted k-means into as many groups as the fused level has neurons. A residual
 level's groups are then numbered like the fused input channels they add to.
 """
@@ -13,7 +15,7 @@ import torch
 
 from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
-from fedfuse.fusion.blocks.matching import linear_assignment, pair_labels
+from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
 from fedfuse.fusion.pieces import GroupFn
 from fedfuse.models.affine import output_rows
 
@@ -32,13 +34,14 @@ def group_neurons(
     tol: float,
     seed: int,
     local_search_swaps: int,
+    match_rounds: int = 50,
 ) -> torch.Tensor:
     """Fused neuron of each base neuron; ``points`` are base neurons as rows, model by model
-    (``widths``). K-means clusters are ordered like model 0's neurons when ``k`` is its width
+    (``widths``). Hungarian groups (at most ``match_rounds`` rounds of re-matching for more than
+    two models) and K-means clusters when ``k`` is its width are numbered like model 0's neurons
     (for base-weight initialisation)."""
     if grouping == "hungarian":
-        split = widths[0]
-        return pair_labels(points[:split], points[split:], weights[:split], weights[split:])
+        return one_to_one_labels(points, weights, widths, rounds=match_rounds)
     result = weighted_kmeans(
         points.float(),
         weights,

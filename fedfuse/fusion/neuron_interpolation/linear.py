@@ -4,12 +4,15 @@ The base neurons' outputs are projected onto the image of the fused level's desi
 from the fused levels below, as design rows); the neurons are grouped there, and the level's
 weights are the least-squares (optionally ridge) fit of the groups' weighted centres. The ridge
 is fixed, or chosen per level from the fusion set by leave-one-out (kernel route) or generalised
-cross-validation (gram route).
+cross-validation (gram route). The design has a column of ones (an intercept, the bias) exactly
+as ``fit_bias`` says (:func:`~fedfuse.models.affine.fit_intercept`; by default when the layer
+has a bias).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from fedfuse.fusion.blocks.least_squares import (
 )
 from fedfuse.fusion.neuron_interpolation.costs import level_cost, row_chunk
 from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
-from fedfuse.models.affine import affine_view, output_rows
+from fedfuse.models.affine import affine_view, fit_intercept, output_rows
 
 
 def fit_linear(
@@ -47,16 +50,20 @@ def fit_linear(
     gram_dtype: torch.dtype,
     batch_size_capture: int,
     name: str,
+    fit_bias: bool | str = "auto",
 ) -> dict[str, Any]:
     """Fit the affine ``level`` (inputs ``x``) in closed form to the weighted centres of the
     base ``outputs``' groups (``labels``, or ``group`` them in the design's basis); return the
-    level's details (costs, rank, ridge and how it was chosen, route) and the ``labels``."""
+    level's details (costs, rank, ridge and how it was chosen, route, intercept) and the
+    ``labels``; ``fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`."""
     view = affine_view(level)
     if view is None:
         raise ValueError(
             f"{name}: level {type(level).__name__} is not affine (parameter-free ops "
             "then one Linear/Conv2d); use a gradient variant for it"
         )
+    where = f"{name}: level {type(level).__name__}"
+    view = replace(view, bias=fit_intercept(view.layer, fit_bias, where=where))
     chunk = row_chunk(sum(widths), len(x), batch_size_capture)
     positions = output_rows(outputs[0][:1]).shape[0]
     rows = len(x) * positions
@@ -125,6 +132,7 @@ def fit_linear(
         "rank": basis.rank,
         **choice,
         "fan_in": view.fan_in,
+        "intercept": view.bias,
         "rows": rows,
         "route": "kernel" if basis.uses_kernel else "gram",
         "labels": labels,

@@ -37,7 +37,7 @@ from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neuron
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.neuron_interpolation.structure import check_structure
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.affine import affine_view
+from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 from fedfuse.models.capture import capture_levels
 from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import resolve_device
@@ -48,9 +48,9 @@ APPROXIMATIONS = ("linear", "gradient")
 
 #: the options only one grouping or approximation reads (a variant takes the others' too)
 VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
-    "hungarian": (),
+    "hungarian": ("match_rounds",),
     "kmeans": ("n_init", "max_iter", "tol", "local_search_swaps"),
-    "linear": ("ridge", "rcond", "gram_precision"),
+    "linear": ("ridge", "rcond", "fit_bias", "gram_precision"),
     "gradient": (
         "preset",
         "epochs",
@@ -78,8 +78,8 @@ class NeuronInterpolation(FusionMethod):
     to it).
 
     Args:
-        grouping: ``"hungarian"`` (HF: two models of equal width, one-to-one) or ``"kmeans"``
-            (KF: any number of models, any target width).
+        grouping: ``"hungarian"`` (HF: models of the target's width, one neuron of each per
+            group) or ``"kmeans"`` (KF: any number of models, any target width).
         approximation: ``"linear"`` (closed form; affine levels) or ``"gradient"``.
         use_scores: weight neurons by importance (else uniformly).
         score_normalization: per model and level, ``"sum"`` (each model counts equally),
@@ -96,6 +96,16 @@ class NeuronInterpolation(FusionMethod):
             ``ridge_scores`` (the criterion along the grid, details' ``ridge_grid``; None where
             undefined).
         rcond: Linear: relative eigenvalue cut-off of the design's basis.
+        fit_bias: Linear: whether an affine level's fit has an intercept (its design a column of
+            ones): ``"auto"`` exactly when its layer has a bias (a bias-free layer is fitted
+            without one, not fitted with one that is then dropped), True always (an error names
+            a level whose layer has no bias), False never (a layer's bias is set to 0). The
+            offsets inside ResNet and ViT blocks (BatchNorm shifts, position embeddings) are
+            always fitted.
+        match_rounds: Hungarian, more than two models: most rounds of re-matching each model's
+            neurons to the groups of the others
+            (:func:`~fedfuse.fusion.blocks.matching.one_to_one_labels`; 0: only the start, each
+            model matched in turn to the groups of the models before it).
         n_init, max_iter, tol, local_search_swaps: K-means restarts, Lloyd iterations, relative
             tolerance, and accepted swaps of the Kanungo local search (0: off).
         preset: Gradient: ``"setting1"`` or ``"setting2"`` of Table 9; the options below
@@ -133,10 +143,12 @@ class NeuronInterpolation(FusionMethod):
         head_weights: bool = False,
         ridge: float | None = None,
         rcond: float = 1e-10,
+        fit_bias: bool | str = "auto",
         n_init: int = 1,
         max_iter: int = 100,
         tol: float = 1e-4,
         local_search_swaps: int = 0,
+        match_rounds: int = 50,
         preset: str = "setting1",
         epochs: int | None = None,
         last_epochs: int | None = None,
@@ -173,10 +185,13 @@ class NeuronInterpolation(FusionMethod):
         self.head_weights = head_weights
         self.ridge = ridge
         self.rcond = rcond
+        check_fit_bias(fit_bias, self.name)
+        self.fit_bias = fit_bias
         self.n_init = n_init
         self.max_iter = max_iter
         self.tol = tol
         self.local_search_swaps = local_search_swaps
+        self.match_rounds = match_rounds
         self.preset = preset
         self.epochs = epochs
         self.last_epochs = last_epochs
@@ -207,6 +222,11 @@ class NeuronInterpolation(FusionMethod):
         form; the Gradient variants train any differentiable level."""
         if self.approximation == "linear":
             check_block_levels(model, affine_view)
+            for index in model.neuron_levels:
+                view = affine_view(model.levels[index])
+                if view is not None:
+                    where = f"{self.name}: level {model.level_name(index)}"
+                    fit_intercept(view.layer, self.fit_bias, where=where)
 
     def requirements(self) -> frozenset[str]:
         return self.requires | ({"class_counts"} if self.head_weights else set())
@@ -248,6 +268,7 @@ class NeuronInterpolation(FusionMethod):
             tol=self.tol,
             seed=self.seed,
             local_search_swaps=self.local_search_swaps,
+            match_rounds=self.match_rounds,
         )
 
     def _residual_labels(
@@ -371,6 +392,7 @@ class NeuronInterpolation(FusionMethod):
                     gram_dtype=self.gram_dtype,
                     batch_size_capture=self.batch_size_capture,
                     name=self.name,
+                    fit_bias=self.fit_bias,
                 )
             if self.approximation == "gradient":
                 start = {key: info[key] for key in ("representation_cost",) if key in info}

@@ -2,7 +2,7 @@
 
 Models of the target's architecture and classes are fused level by level, or stage by stage
 when their depths differ (:func:`~fedfuse.models.corresponding_levels`); Hungarian Fusion needs
-exactly two models of the target's levels and width, the Linear fit the target's neuron levels.
+models (any number) of the target's levels and width, the Linear fit the target's neuron levels.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def check_structure(
         mappings.append(mapping)
     if grouping == "hungarian":
         widths = {m.spec.widths for m in models} | {target.widths}
-        if len(models) != 2 or len(widths) != 1:
+        if len(widths) != 1:
             raise ValueError(
-                f"{name}: Hungarian Fusion needs exactly 2 models of the target's width "
-                f"(got {len(models)} models, widths {sorted(widths)}); use K-means Fusion"
+                f"{name}: Hungarian Fusion matches models of the target's width one-to-one "
+                f"(got widths {sorted(widths)}); use K-means Fusion"
             )
     return mappings
