@@ -44,7 +44,8 @@ class _PlainChain(nn.Module):
 def architectures() -> dict[str, ModelSpec]:
     """A spec of each of fedfuse's architectures and of an adapted plain chain."""
     shape = (1, 28, 28)
-    specs = {arch: make_spec(arch, shape, 10) for arch in ("mlp", "vgg11", "resnet", "vit")}
+    archs = ("mlp", "vgg11", "lenet5", "resnet", "vit")
+    specs = {arch: make_spec(arch, shape, 10) for arch in archs}
     specs["plain nn.Module"] = ModelAdapter(_PlainChain, shape, name="plain-chain").register().spec
     return specs
 

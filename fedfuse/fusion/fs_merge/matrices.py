@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: the authors' scale of the random low-rank factor (``LOW_RANK_FACTOR`` in their code)
@@ -130,9 +131,17 @@ class FoldableMatrix(nn.Module):
 
 
 def on_channels(function: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Apply a map of rows ``(R, C) -> (R, C')`` to the channel axis (dim 1) of ``x``."""
+    """Apply a map of rows ``(R, C) -> (R, C')`` to the channel axis (dim 1) of ``x``.
+
+    A :class:`FoldableMatrix` on feature maps ``(N, C, H, W)`` is applied as the 1x1 convolution
+    with its dense matrix: the same product as its row-wise :meth:`~FoldableMatrix.forward` on
+    every pixel, without moving the channels last (a copy of the whole map, forward and
+    backward) and with one optimised kernel where the row-wise form takes several passes.
+    """
     if x.dim() == 2:
         return function(x)
+    if x.dim() == 4 and isinstance(function, FoldableMatrix):
+        return F.conv2d(x, function.dense()[:, :, None, None])
     moved = x.movedim(1, -1)
     out = function(moved.reshape(-1, moved.shape[-1]))
     return out.reshape(*moved.shape[:-1], out.shape[-1]).movedim(-1, 1)
