@@ -95,7 +95,7 @@ from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
-GROUND_METRICS = ("activations", "weights")
+GROUND_METRICS = ("auto", "activations", "weights")
 
 
 # ---------------------------------------------------------------------------------- the method
@@ -105,8 +105,12 @@ class OTFusion(FusionMethod):
 
     Args:
         reference: index of the reference model (the others are aligned to it).
-        ground_metric: ``"activations"`` (pre-activations on the fusion set; default) or
-            ``"weights"`` (realigned incoming weights and bias; needs no fusion set).
+        ground_metric: ``"activations"`` (pre-activations on the fusion set) or ``"weights"``
+            (realigned incoming weights and bias; needs no fusion set); ``"auto"`` (default):
+            on affine models, both, keeping the fused model with the lower cross-entropy on the
+            labelled fusion set (the paper leaves the cost open, and neither wins everywhere:
+            activations on independently trained sites, weights on sites that share their
+            initialisation); activations elsewhere, weights without a fusion set.
         solver: ``"emd"`` (exact) or ``"sinkhorn"`` (entropic).
         reg: Sinkhorn regularisation, relative to the level's largest ground cost.
         max_iter: Sinkhorn iterations at most.
@@ -132,7 +136,7 @@ class OTFusion(FusionMethod):
     def __init__(
         self,
         reference: int = 0,
-        ground_metric: str = "activations",
+        ground_metric: str = "auto",
         solver: str = "emd",
         reg: float = 0.01,
         max_iter: int = 1000,
@@ -174,7 +178,7 @@ class OTFusion(FusionMethod):
             return
         check_feature_spaces(model)
         refused = {
-            "ground_metric='weights'": self.ground_metric != "activations",
+            "ground_metric='weights'": self.ground_metric == "weights",
             "use_scores": self.use_scores,
             "repair": self.repair,
         }
@@ -194,7 +198,7 @@ class OTFusion(FusionMethod):
             needed.add("sample_counts")
         return frozenset(needed)
 
-    def needs(self) -> frozenset[str]:
+    def _needs(self) -> frozenset[str]:
         needed = set(self.requirements())
         if self.reset_batchnorm:
             needed.add("data")  # read for models with BatchNorm (which need it anyway)
@@ -209,13 +213,40 @@ class OTFusion(FusionMethod):
         if not 0 <= self.reference < len(models):
             raise ValueError(f"{self.name}: reference {self.reference} is not one of the models")
 
+    def needs(self) -> frozenset[str]:
+        needed = set(self._needs())
+        if self.ground_metric == "auto":
+            needed |= {"data", "labels"}  # optional: without them, weights
+        return frozenset(needed)
+
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        if _affine(models[0]):
-            fused, details = self._fuse_levels(models, inputs, target)
-        else:
-            fused, details = self._fuse_spaces(models, inputs, target)
+        if not _affine(models[0]):
+            return self._finish(*self._fuse_spaces(models, inputs, target), inputs)
+        if self.ground_metric != "auto":
+            return self._finish(*self._fuse_levels(models, inputs, target), inputs)
+        if inputs.data is None:
+            return self._finish(*self._fuse_levels(models, inputs, target, "weights"), inputs)
+        if inputs.labels is None:
+            return self._finish(*self._fuse_levels(models, inputs, target, "activations"), inputs)
+        candidates = {
+            metric: self._finish(*self._fuse_levels(models, inputs, target, metric), inputs)
+            for metric in ("activations", "weights")
+        }
+        losses = {
+            metric: _loss(fused, inputs.data, inputs.labels, self.batch_size_capture)
+            for metric, (fused, _) in candidates.items()
+        }
+        chosen = min(losses, key=losses.__getitem__)
+        fused, details = candidates[chosen]
+        details.update(ground_metric_chosen=chosen, fusion_set_losses=losses)
+        log.info("%s: ground metric %s (fusion-set losses %s)", self.name, chosen, losses)
+        return fused, details
+
+    def _finish(
+        self, fused: LeveledModel, details: dict[str, Any], inputs: FusionInputs
+    ) -> tuple[LeveledModel, dict[str, Any]]:
         if self.reset_batchnorm and has_batchnorm(fused):
             if inputs.data is None:
                 raise ValueError(f"{self.name}: resetting BatchNorm statistics needs the data")
@@ -240,7 +271,7 @@ class OTFusion(FusionMethod):
             "path": "spaces",
             "reference": ref,
             "weights": weights,
-            "ground_metric": self.ground_metric,
+            "ground_metric": "activations",
             "solver": self.solver,
             "spaces": [],
         }
@@ -281,8 +312,15 @@ class OTFusion(FusionMethod):
         return fused, details
 
     def _fuse_levels(
-        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+        self,
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        metric: str | None = None,
     ) -> tuple[LeveledModel, dict[str, Any]]:
+        metric = metric or self.ground_metric
+        if metric == "auto":  # one fusion: the cost the data allows (``_fuse`` chooses by loss)
+            metric = "activations" if inputs.data is not None else "weights"
         levels = check_levels(self.name, models)
         hidden = levels[:-1]
         device = resolve_device(self.device)
@@ -295,7 +333,7 @@ class OTFusion(FusionMethod):
         )
         weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
         captured = None
-        if self.ground_metric == "activations":
+        if metric == "activations":
             assert inputs.data is not None
             captured = [
                 capture_levels(
@@ -316,7 +354,7 @@ class OTFusion(FusionMethod):
             "path": "levels",
             "reference": ref,
             "weights": weights,
-            "ground_metric": self.ground_metric,
+            "ground_metric": metric,
             "solver": self.solver,
             "levels": [],
         }
@@ -389,3 +427,14 @@ def _affine(model: LeveledModel) -> bool:
     except ValueError:
         return False
     return True
+
+
+@torch.no_grad()
+def _loss(model: LeveledModel, data: torch.Tensor, labels: torch.Tensor, batch: int) -> float:
+    """Mean cross-entropy of ``model`` on the labelled fusion set (on the CPU)."""
+    model = model.cpu().eval()
+    total = sum(
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
+        for x, y in zip(data.cpu().split(batch), labels.cpu().split(batch), strict=True)
+    )
+    return total / len(data)

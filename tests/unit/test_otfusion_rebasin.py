@@ -160,9 +160,27 @@ def test_weights_ground_metric_needs_no_data_but_activations_do():
     a, b = build_model(MLP, seed=0), build_model(MLP, seed=1)
     OTFusion(ground_metric="weights").fuse([a, b])
     with pytest.raises(ValueError, match="FusionInputs.data"):
-        OTFusion().fuse([a, b])
+        OTFusion(ground_metric="activations").fuse([a, b])
     with pytest.raises(ValueError, match="FusionInputs.data"):
         GitReBasin().fuse([a, b])
+
+
+def test_auto_ground_metric_keeps_the_fusion_with_the_lower_fusion_set_loss():
+    models = [build_model(MLP, seed=s) for s in range(3)]
+    x = data_for(MLP)
+    y = torch.randint(0, MLP.num_classes, (len(x),), generator=torch.Generator().manual_seed(0))
+    auto = OTFusion().fuse(models, FusionInputs(data=x, labels=y))
+    losses = auto.details["fusion_set_losses"]
+    chosen = auto.details["ground_metric_chosen"]
+    assert set(losses) == {"activations", "weights"} and losses[chosen] == min(losses.values())
+    explicit = OTFusion(ground_metric=chosen).fuse(models, FusionInputs(data=x))
+    for key, value in explicit.model.state_dict().items():
+        assert torch.equal(auto.model.state_dict()[key], value), key
+    loss = torch.nn.functional.cross_entropy(explicit.model(x), y).item()
+    assert losses[chosen] == pytest.approx(loss, rel=1e-5)
+    # without labels the cost cannot be chosen: activations; without data: weights
+    assert OTFusion().fuse(models, FusionInputs(data=x)).details["ground_metric"] == "activations"
+    assert OTFusion().fuse(models).details["ground_metric"] == "weights"
 
 
 def test_git_rebasin_score_weighted_average():
