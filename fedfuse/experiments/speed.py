@@ -1,4 +1,4 @@
-"""Fusion speed and memory benchmark: wall time and peak memory of fusing two models.
+"""Fusion speed and memory benchmark: wall time and peak memory of fusing two (or N) models.
 
 Timing does not need trained models: the fused models are independently initialised and the
 fusion set is random. The default reproduces the shapes of the paper's runtime experiment (two
@@ -48,13 +48,14 @@ log = logging.getLogger(__name__)
 #: The paper's Table 10 (seconds, VGG11 on CIFAR-10, 400 samples, uniform scores, RTX A5000).
 PAPER_VGG11_SECONDS = {"hf-linear": 14.2, "kf-linear": 78.3, "kf-gradient": 16.5}
 #: ``--arch`` choices
-ARCHS = ("vgg11", "mlp", "resnet", "vit")
+ARCHS = ("vgg11", "mlp", "lenet5", "resnet", "vit")
 #: the architecture options of ``resnet`` and ``vit`` unless ``model_options`` set them
 #: (resnet: ResNet-18 at width 1, its stem the CIFAR one on inputs up to 64 pixels; vit: the
 #: spec builder's defaults, the paper's CIFAR ViT)
 DEFAULT_MODEL_OPTIONS: dict[str, dict[str, Any]] = {
     "resnet": {"depth": 18, "width_multiplier": 1.0},
     "vit": {},
+    "lenet5": {},
 }
 #: the default ``--methods`` per architecture (``all``: every method that accepts it)
 DEFAULT_METHODS = {"vgg11": "vanilla,hf-linear,kf-linear,kf-gradient", "mlp": "vanilla,hf-linear"}
@@ -183,9 +184,10 @@ def measure(
     repeats: int = 1,
     device: str = "auto",
     options: dict[str, dict[str, Any]] | None = None,
+    count: int = 2,
 ) -> list[dict[str, Any]]:
-    """Fuse two independently initialised models with each method (``all``: every registered
-    one); one row per method.
+    """Fuse ``count`` (default two) independently initialised models with each method
+    (``all``: every registered one); one row per method.
 
     A row has ``method``, ``status`` (``ok``; ``refused``: the method cannot fuse this
     architecture; ``skipped``: it needs inputs the benchmark does not build; ``failed``: it
@@ -196,16 +198,18 @@ def measure(
     ``ratio_to_paper`` (the paper's VGG11 setting only). Methods whose constructor takes a
     ``device`` get ``device`` unless ``options`` (per method) set it.
     """
-    if repeats < 1 or fusion_samples < 1:
+    if repeats < 1 or fusion_samples < 1 or count < 2:
         raise ValueError(
-            f"repeats and fusion_samples must be >= 1, got {repeats}, {fusion_samples}"
+            f"need repeats >= 1, fusion_samples >= 1 and count >= 2 models, got {repeats}, "
+            f"{fusion_samples}, {count}"
         )
     names = resolve_methods(methods)
     torch_device = resolve_device(device)
     spec = benchmark_spec(arch, input_shape, width, model_options)
-    models = [build_model(spec, seed=s) for s in (1, 2)]
+    models = [build_model(spec, seed=s) for s in range(1, count + 1)]
     inputs = _benchmark_inputs(models, fusion_samples)
-    paper_setting = spec == make_spec("vgg11", (3, 32, 32), NUM_CLASSES, width_multiplier=1.0)
+    paper_spec = make_spec("vgg11", (3, 32, 32), NUM_CLASSES, width_multiplier=1.0)
+    paper_setting = count == 2 and spec == paper_spec
     rows = []
     for name in names:
         accepted = FUSION_METHODS[name].accepted_options()
@@ -213,12 +217,12 @@ def measure(
         method_options.update((options or {}).get(name, {}))
         method = make_fusion_method(name, **method_options)
         try:
-            method.check_run(2, spec, available=None)
+            method.check_run(count, spec, available=None)
         except ValueError as error:
             rows.append(_unrun(name, "refused", str(error)))
             continue
         try:
-            method.check_run(2, available=PROVIDED_INPUTS)
+            method.check_run(count, available=PROVIDED_INPUTS)
         except ValueError as error:
             rows.append(_unrun(name, "skipped", str(error)))
             continue
@@ -228,12 +232,11 @@ def measure(
             method_inputs = dataclasses.replace(inputs, grams=grams)
             notes.append("Grams on the fusion set, not timed")
         if "sites" in method.needs():  # the sites' statistics are computed in the timed fusion
-            half = len(inputs.data) // 2
             assert inputs.data is not None
-            parts = [inputs.data[:half], inputs.data[half:]]
+            parts = list(inputs.data.tensor_split(count))
             sites = LocalSites(models, parts, device=torch_device)
             method_inputs = dataclasses.replace(method_inputs, sites=sites)
-            notes.append("2 sites in-process on halves of the fusion set, their work timed")
+            notes.append(f"{count} sites in-process on parts of the fusion set, their work timed")
         if "labels" in method.needs():
             notes.append("random labels")
         log.info("%s: fusing %d times", name, repeats)
@@ -349,9 +352,10 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         device=args.device,
         options=options,
+        count=args.models,
     )
     header = (
-        f"fusing two {describe_spec(spec)} on {args.fusion_samples} samples of "
+        f"fusing {args.models} x {describe_spec(spec)} on {args.fusion_samples} samples of "
         f"{args.input_shape}; {args.repeats} repeat(s); device {described}"
     )
     print(format_speed_table(rows, header))
@@ -360,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> None:
     """Add ``fedfuse speed`` to the CLI's subcommands."""
-    parser = subparsers.add_parser("speed", help="time and memory of fusing two models")
+    parser = subparsers.add_parser("speed", help="time and memory of fusing N models (default 2)")
     parser.add_argument(
         "--methods",
         default=None,
@@ -385,6 +389,7 @@ def register_cli(subparsers: Any) -> None:
         default=DEFAULT_FUSION_SAMPLES,
         help="samples in the (random) fusion set",
     )
+    parser.add_argument("--models", type=int, default=2, help="how many models to fuse")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--device", default="auto", help="auto: CUDA when present")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")

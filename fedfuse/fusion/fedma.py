@@ -36,7 +36,7 @@ clients: remove client ``j``, then solve one linear assignment (Hungarian) of it
 with ``s_i = \mu_0/\sigma_0^2 + \sum v/\sigma^2`` and ``p_i = 1/\sigma_0^2 + m^{-j}_i/\sigma^2``
 the natural parameters of global neuron ``i`` without client ``j``. The global neurons are then
 the posterior means ``\theta_i = s_i / p_i``. (FedMA's reference code uses ``\log`` instead of
-``2\log`` for the popularity term and clips ``m`` at 10; we follow the paper.) For a flat prior
+``2\log`` for the popularity term and clips ``m`` at 10: option ``popularity``.) For a flat prior
 the matching rule reads: client neuron ``v`` joins global neuron ``theta`` (used by one other
 client) rather than opening the ``k``-th new neuron when
 ``||v - theta||^2 < 2 sigma^2 (2 log(J/gamma) + log(m/(J-m)) + 2 log k)``.
@@ -50,10 +50,14 @@ combined per class with each client's share of that class's training samples
 (``FusionInputs.class_counts``; uniform when not given), as FedMA does for the last layer.
 
 FedMA (Wang et al., 2020) retrains the clients after each matched layer; this implementation
-stops after the matching, so it stays one-shot and needs no data ("zero-shot"). The global model
-may be wider than the clients: it decides its widths itself, capped per level by ``max_width``
-(or ``width_factor`` times the widest client). The default target of :meth:`fuse` (model 0's
-spec) is ignored; an explicit target with other widths caps each level at those widths.
+stops after the matching, so it stays one-shot. It needs no data, except that by default it
+chooses ``sigma`` from a small grid by the cross-entropy of the fused model on the labelled
+fusion set (``select``), as PFNM's reference code chooses its settings on training data. The
+global model may be wider than the clients: it decides its widths itself, capped per level by
+``max_width`` (or ``width_factor`` times the widest client; PFNM has no cap, FedMA's code stops
+opening neurons past 700: ``width_factor`` at least the number of clients removes the cap).
+The default target of :meth:`fuse` (model 0's spec) is ignored; an explicit target with other
+widths caps each level at those widths.
 
 References:
     M. Yurochkin, M. Agarwal, S. Ghosh, K. Greenewald, T. N. Hoang, Y. Khazaeni. *Bayesian
@@ -67,7 +71,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,8 +78,8 @@ import torch
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.blocks.alignment import affine_levels, incoming_by_channel
-from fedfuse.fusion.blocks.matching import linear_assignment
-from fedfuse.fusion.inputs import check_levels, head_weights
+from fedfuse.fusion.fedma_bbp import POPULARITY, bbp_map_match
+from fedfuse.fusion.inputs import check_levels, fusion_set_loss, head_weights
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import AffineLevel, affine_view
 
@@ -84,193 +87,6 @@ from fedfuse.models.affine import AffineLevel, affine_view
 _RESIDUAL_ARCHS = frozenset({"resnet", "vit"})
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class MatchResult:
-    """BBP-MAP outcome for one level.
-
-    Attributes:
-        assignments: per client, the global neuron of each of its neurons (injective).
-        neurons: the global neurons (posterior means), ``(L, D)``.
-        counts: per global neuron, how many clients use it (``m_i``).
-        passes: full passes over the clients done after the initial sequential pass.
-        history: the likelihood part of the objective, ``sum_i ||s_i||^2 / p_i``, after the
-            initial pass and after each later pass (it may fall while ``log P(B)`` rises).
-    """
-
-    assignments: list[list[int]]
-    neurons: torch.Tensor
-    counts: list[int]
-    passes: int = 0
-    history: list[float] = field(default_factory=list)
-
-
-def _client_gains(
-    v: torch.Tensor,
-    sums: torch.Tensor,
-    precisions: torch.Tensor,
-    counts: torch.Tensor,
-    *,
-    new_columns: int,
-    clients: int,
-    sigma: float,
-    sigma0: float,
-    gamma: float,
-) -> torch.Tensor:
-    """PFNM gains (negated costs) of client neurons ``v`` ``(Lj, D)`` against ``L`` global
-    neurons (natural parameters ``sums`` ``(L, D)``, ``precisions`` ``(L,)``, popularity
-    ``counts`` ``(L,)``, all without this client) and ``new_columns`` new neurons; ``mu0 = 0``.
-
-    Returns ``(Lj, L + new_columns)``.
-    """
-    b = 1.0 / sigma**2
-    a = 1.0 / sigma0**2
-    v_sq = (v * v).sum(1)  # (Lj,)
-    s_sq = (sums * sums).sum(1)  # (L,)
-    cross = v @ sums.T  # (Lj, L)
-    match = (s_sq[None] + 2 * b * cross + b * b * v_sq[:, None]) / (precisions + b)[None]
-    match = match - (s_sq / precisions)[None]
-    match = match + 2 * torch.log(counts / (clients - counts))[None]
-    k = torch.arange(1, new_columns + 1, dtype=v.dtype, device=v.device)
-    new = (b * b * v_sq / (a + b))[:, None] + 2 * math.log(gamma / clients) - 2 * torch.log(k)
-    return torch.cat([match, new], 1)
-
-
-def bbp_map_match(
-    vectors: list[torch.Tensor],
-    *,
-    sigma: float,
-    sigma0: float,
-    gamma: float,
-    max_width: int,
-    iterations: int,
-    seed: int = 0,
-) -> MatchResult:
-    """Match the clients' neurons of one level into global neurons by BBP-MAP (PFNM).
-
-    Args:
-        vectors: per client ``j``, its neurons as rows ``(L_j, D)`` (float64), all in the same
-            coordinates (the previous level already mapped to the global one).
-        sigma: client noise std per coordinate (same units as ``vectors``).
-        sigma0: prior std per coordinate around ``mu0 = 0``.
-        gamma: IBP mass; larger opens new global neurons more readily.
-        max_width: at most this many global neurons (``>= max_j L_j``).
-        iterations: passes over the clients in random order after the initial sequential one
-            (stops early once a pass changes no assignment).
-        seed: seeds the client order of the passes.
-
-    Returns:
-        :class:`MatchResult` with the assignments and the posterior-mean global neurons.
-    """
-    clients = len(vectors)
-    widest = max(len(v) for v in vectors)
-    if max_width < widest:
-        raise ValueError(f"max_width={max_width} is below the widest client's {widest} neurons")
-    b = 1.0 / sigma**2
-    a = 1.0 / sigma0**2
-    dtype, device = vectors[0].dtype, vectors[0].device
-    dim = vectors[0].shape[1]
-    # natural parameters of the global neurons: sums = mu0 a + sum b v (mu0 = 0), prec = a + m b
-    sums = torch.zeros(0, dim, dtype=dtype, device=device)
-    precisions = torch.zeros(0, dtype=dtype, device=device)
-    counts = torch.zeros(0, dtype=dtype, device=device)
-    assignments: list[list[int]] = [[] for _ in range(clients)]
-
-    def remove(j: int) -> None:
-        nonlocal sums, precisions, counts
-        index = torch.tensor(assignments[j], dtype=torch.long, device=device)
-        if len(index) == 0:
-            return
-        # a client's neurons go to distinct global neurons, so plain indexing accumulates
-        sums[index] -= b * vectors[j]
-        precisions[index] -= b
-        counts[index] -= 1
-        keep = counts > 0.5
-        if bool(keep.all()):
-            assignments[j] = []
-            return
-        new_index = (torch.cumsum(keep.long(), 0) - 1).tolist()
-        for other in range(clients):
-            if other != j:
-                assignments[other] = [new_index[i] for i in assignments[other]]
-        sums, precisions, counts = sums[keep], precisions[keep], counts[keep]
-        assignments[j] = []
-
-    def add(j: int) -> None:
-        nonlocal sums, precisions, counts
-        v = vectors[j]
-        existing = len(sums)
-        new_columns = min(len(v), max_width - existing)
-        if existing == 0:  # the first client opens one global neuron per neuron
-            sums = b * v.clone()
-            precisions = torch.full((len(v),), a + b, dtype=dtype, device=device)
-            counts = torch.ones(len(v), dtype=dtype, device=device)
-            assignments[j] = list(range(len(v)))
-            return
-        gains = _client_gains(
-            v,
-            sums,
-            precisions,
-            counts,
-            new_columns=new_columns,
-            clients=clients,
-            sigma=sigma,
-            sigma0=sigma0,
-            gamma=gamma,
-        )
-        target = linear_assignment(gains, maximize=True).numpy()
-        opened = sorted(int(c) for c in target if c >= existing)
-        # new columns are numbered after the existing neurons, in column order
-        renumber = {c: existing + n for n, c in enumerate(opened)}
-        target = np.array([renumber.get(int(c), int(c)) for c in target], dtype=np.int64)
-        grow = len(opened)
-        if grow:
-            sums = torch.cat([sums, sums.new_zeros(grow, dim)])
-            precisions = torch.cat([precisions, precisions.new_full((grow,), a)])
-            counts = torch.cat([counts, counts.new_zeros(grow)])
-        index = torch.as_tensor(target, device=device)
-        sums[index] += b * v
-        precisions[index] += b
-        counts[index] += 1
-        assignments[j] = target.tolist()
-
-    def partition() -> frozenset[frozenset[tuple[int, int]]]:
-        groups: dict[int, set[tuple[int, int]]] = {}
-        for j, assigned in enumerate(assignments):
-            for neuron, i in enumerate(assigned):
-                groups.setdefault(i, set()).add((j, neuron))
-        return frozenset(frozenset(g) for g in groups.values())
-
-    order = sorted(range(clients), key=lambda j: -len(vectors[j]))  # widest first, as FedMA
-    for j in order:
-        add(j)
-    rng = np.random.default_rng(seed)
-    passes = 0
-    history = [_objective(sums, precisions)]
-    previous = partition()
-    for _ in range(iterations):
-        passes += 1
-        for j in rng.permutation(clients).tolist():
-            remove(j)
-            add(j)
-        history.append(_objective(sums, precisions))
-        current = partition()
-        if current == previous:
-            break
-        previous = current
-    return MatchResult(
-        assignments=assignments,
-        neurons=sums / precisions[:, None],
-        counts=[int(round(c)) for c in counts.tolist()],
-        passes=passes,
-        history=history,
-    )
-
-
-def _objective(sums: torch.Tensor, precisions: torch.Tensor) -> float:
-    """The likelihood part of the BBP-MAP objective, ``sum_i ||s_i||^2 / p_i``."""
-    return float(((sums * sums).sum(1) / precisions).sum())
 
 
 def _mapped_incoming(
@@ -313,11 +129,10 @@ class FedMAMatching(FusionMethod):
             ``||v - theta||^2 / rho^2 < 2 sigma^2 (1.39 + 2 log k)``. Default 0.1: only
             near-duplicates merge freely (relative distance below ~0.17 for the first new
             neuron, ~0.46 for the 100th); distinct neurons open new global ones until the width
-            cap, after which each Hungarian step merges the closest pairs. Independently trained
-            clients rarely have near-duplicate neurons and, without FedMA's retraining, merging
-            merely similar ones costs accuracy: on Fashion-MNIST MLPs (3x256, 2 label-skewed or
-            4 IID clients, ``width_factor=1.5``) sigma = 0.1 gave 0.78 / 0.77 test accuracy
-            against 0.52 / 0.71 for 0.35 and 0.39 / 0.70 with no width growth.
+            cap, after which each Hungarian step merges the closest pairs (independently trained
+            clients rarely have near-duplicate neurons, and without FedMA's retraining merging
+            merely similar ones costs accuracy). With ``select`` (default) it is only the centre
+            of the grid tried on the labelled fusion set, which picks the value used.
         sigma0: prior std per coordinate around ``mu0 = 0``. The global neurons are posterior
             means, shrunk toward 0 by ``m / (m + sigma^2 / sigma0^2)``; with no retraining to
             undo that shrinkage the default prior is weak (10: shrinkage factor >= 0.9999).
@@ -334,6 +149,21 @@ class FedMAMatching(FusionMethod):
             (number of clients) with a small ``sigma`` keeps every neuron: the fused model then
             computes the class-count-weighted sum of the clients' logits exactly.
         normalize: express ``sigma``/``sigma0`` relative to each level's RMS neuron norm.
+        popularity: how an existing global neuron's popularity ``m`` enters the matching gain:
+            ``"paper"`` (default, PFNM's and FedMA's equations: ``2 log(m / (J - m))``) or
+            ``"code"`` (their reference code: ``log(m / (J - m))`` with ``m`` clipped at 10).
+        select: choose ``sigma`` on the labelled fusion set (default): fuse with each value of
+            the grid ``sigma * 2**k``, ``k = -(grid-1)/2 .. (grid-1)/2``, and keep the model
+            of lowest mean cross-entropy on the fusion set (ties: the value nearest ``sigma``);
+            ``details`` reports ``sigma`` and ``selection`` (the grid and its losses). PFNM's
+            reference code likewise fuses over a grid of ``(sigma, sigma0, gamma)`` and keeps
+            the best training accuracy; the papers fix no value, and ``sigma`` is the setting
+            that decides which neurons merge (``sigma0`` and ``gamma`` barely moved the result
+            on our runs). Without ``data`` and ``labels`` it fuses with ``sigma`` alone (then
+            zero-shot and data-free).
+        grid: number of ``sigma`` values tried when ``select`` (odd: centred on ``sigma``;
+            1: no selection). Default 5, ``sigma/4 .. 4 sigma``: from "merge only
+            near-duplicates" to "merge most neurons" at the default ``sigma``.
         seed: seeds the client order of the passes.
     """
 
@@ -342,6 +172,7 @@ class FedMAMatching(FusionMethod):
     same_spec = False  # clients may differ in width; everything else must agree
     retargetable = True
     chooses_widths = True  # the global widths come out of the matching
+    option_bounds = {"grid": (1, 15)}
 
     def __init__(
         self,
@@ -352,12 +183,17 @@ class FedMAMatching(FusionMethod):
         max_width: int = 0,
         width_factor: float = 1.5,
         normalize: bool = True,
+        popularity: str = "paper",
+        select: bool = True,
+        grid: int = 5,
         seed: int = 0,
     ) -> None:
         if not sigma > 0 or not sigma0 > 0 or not gamma > 0:
             raise ValueError(
                 f"fedma: sigma, sigma0 and gamma must be positive, got {sigma}, {sigma0}, {gamma}"
             )
+        if popularity not in POPULARITY:
+            raise ValueError(f"fedma: popularity must be one of {POPULARITY}, got {popularity!r}")
         self.sigma = float(sigma)
         self.sigma0 = float(sigma0)
         self.gamma = float(gamma)
@@ -365,6 +201,9 @@ class FedMAMatching(FusionMethod):
         self.max_width = int(max_width)
         self.width_factor = float(width_factor)
         self.normalize = bool(normalize)
+        self.popularity = str(popularity)
+        self.select = bool(select)
+        self.grid = int(grid)
         self.seed = int(seed)
 
     def _caps(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
@@ -425,7 +264,18 @@ class FedMAMatching(FusionMethod):
         super().check_architecture(model)
 
     def needs(self) -> frozenset[str]:
-        return frozenset({"class_counts"})  # the classifier's mix; uniform without them
+        needed = {"class_counts"}  # the classifier's mix; uniform without them
+        if self.select and self.grid > 1:
+            needed |= {"data", "labels"}  # the choice of sigma; the configured one without them
+        return frozenset(needed)
+
+    def _sigmas(self) -> list[float]:
+        """The noise stds tried: ``sigma * 2**k`` for ``k`` in ``-(grid//2) .. grid//2``
+        (``grid`` values, centred on ``sigma``), or only ``sigma`` without selection."""
+        if not self.select:
+            return [self.sigma]
+        half = (self.grid - 1) / 2
+        return [self.sigma * 2.0 ** (k - half) for k in range(self.grid)]
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
@@ -434,6 +284,41 @@ class FedMAMatching(FusionMethod):
         check_levels(self.name, models)
         caps = self._caps(models, target)
         views = [affine_levels(m) for m in models]
+        mix = head_weights(self.name, inputs.class_counts, len(models), models[0].spec.num_classes)
+        sigmas = self._sigmas()
+        labelled = inputs.data is not None and inputs.labels is not None
+        if len(sigmas) == 1 or not labelled:
+            fused, details = self._match(models, views, caps, mix, self.sigma)
+            details["sigma"] = self.sigma
+            return fused, details
+        assert inputs.data is not None and inputs.labels is not None
+        best: tuple[float, int, LeveledModel, dict[str, Any]] | None = None
+        losses = []
+        for index, sigma in enumerate(sigmas):
+            fused, details = self._match(models, views, caps, mix, sigma)
+            loss = fusion_set_loss(fused, inputs)
+            losses.append(loss)
+            # ties (e.g. widths capped either way) keep the value nearest the configured sigma
+            key = (loss, abs(index - (len(sigmas) - 1) / 2))
+            if best is None or key < (best[0], abs(best[1] - (len(sigmas) - 1) / 2)):
+                best = (loss, index, fused, details)
+        assert best is not None
+        _, index, fused, details = best
+        details["sigma"] = sigmas[index]
+        details["selection"] = {"sigmas": sigmas, "fusion_loss": losses, "chosen": index}
+        log.info("fedma: sigma %.4g chosen on the fusion set (losses %s)", sigmas[index], losses)
+        return fused, details
+
+    def _match(
+        self,
+        models: list[LeveledModel],
+        views: list[dict[int, AffineLevel]],
+        caps: list[int],
+        mix: torch.Tensor,
+        sigma: float,
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Match every hidden level bottom-up with noise std ``sigma``; the head mixed by
+        ``mix`` ``(models, classes)``."""
         levels = models[0].neuron_levels
         previous: list[list[int]] | None = None
         previous_width: int | None = None
@@ -453,12 +338,13 @@ class FedMAMatching(FusionMethod):
                 scale = scale if scale > 0 else 1.0
             result = bbp_map_match(
                 [x / scale for x in vectors],
-                sigma=self.sigma,
+                sigma=sigma,
                 sigma0=self.sigma0,
                 gamma=self.gamma,
                 max_width=caps[position],
                 iterations=self.iterations,
                 seed=self.seed + position,
+                popularity=self.popularity,
             )
             global_rows[level] = result.neurons * scale
             width = len(result.neurons)
@@ -477,9 +363,10 @@ class FedMAMatching(FusionMethod):
                     "scale": scale,
                 }
             )
-            log.info(
-                "fedma level %s: %d global neurons (%d new, cap %d), %d passes",
+            log.debug(
+                "fedma level %s (sigma %.4g): %d global neurons (%d new, cap %d), %d passes",
                 models[0].level_name(level),
+                sigma,
                 width,
                 width - widest,
                 caps[position],
@@ -488,8 +375,6 @@ class FedMAMatching(FusionMethod):
             previous, previous_width = result.assignments, width
 
         head = levels[-1]
-        classes = models[0].spec.num_classes
-        mix = head_weights(self.name, inputs.class_counts, len(models), classes)
         head_rows = torch.zeros(())
         for j, v in enumerate(views):
             rows = _mapped_incoming(
@@ -499,7 +384,7 @@ class FedMAMatching(FusionMethod):
         global_rows[head] = head_rows
 
         spec = models[0].spec.with_widths(widths)
-        fused = build_model(spec)
+        fused = build_model(spec, seed=0)  # overwritten; the seed spares the global RNG
         for level, rows in global_rows.items():
             view = affine_view(fused.levels[level])
             assert view is not None

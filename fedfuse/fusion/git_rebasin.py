@@ -20,7 +20,9 @@ standardised), solved exactly by :func:`~fedfuse.fusion.blocks.matching.linear_a
 function is unchanged) and the two are averaged. The classifier's outputs (the classes) are never
 permuted.
 
-Averaging: uniform, or by sample counts (``weighted_average``), or per neuron by importance
+Averaging: uniform, or by sample counts, or (``weighted_average="auto"``, the default) whichever
+of the two fuses to the lower cross-entropy on the labelled fusion set
+(:func:`~fedfuse.fusion.inputs.fusion_set_loss`), or per neuron by importance
 (``use_scores``, the paper's App. C, as in Hungarian Fusion): with ``s^A_i`` and ``s^B_{\pi(i)}``
 the two matched neurons' scores (normalised to sum to 1 per model and level), and ``c_A, c_B``
 the model weights (uniform or sample counts),
@@ -103,7 +105,13 @@ from fedfuse.fusion.blocks.space_alignment import (
     check_feature_spaces,
     space_cost,
 )
-from fedfuse.fusion.inputs import averaging_weights, check_levels, resolve_scores
+from fedfuse.fusion.inputs import (
+    averaging_candidates,
+    check_levels,
+    check_weighted_average,
+    fusion_set_loss,
+    resolve_scores,
+)
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.capture import capture_levels
 from fedfuse.models.importance import SCORE_METHODS
@@ -161,7 +169,13 @@ class GitReBasin(FusionMethod):
         use_scores: average each matched pair of neurons with weights proportional to their
             importance scores (the paper's App. C).
         fallback_scores: score method on the fusion set when scores are used but none given.
-        weighted_average: weight the models by their sample counts.
+        weighted_average: the model weights ``c``, in MergeMany's costs and in the average:
+            ``False`` uniform (the paper's), ``True`` the sample counts (FedAvg's), or
+            ``"auto"`` (default): both, keeping the fused model with the lower cross-entropy
+            on the labelled fusion set (sites of unequal sizes favour the counts). The
+            activations and costs are computed once; MergeMany and the average run per
+            weighting, so a choice equals fusing with that weighting. Without labels, the
+            sample counts; without sample counts, uniform.
         repair: apply REPAIR (Jordan et al., 2022) to the fused model (affine levels only).
         reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
             set (models with BatchNorm only; default on).
@@ -171,7 +185,9 @@ class GitReBasin(FusionMethod):
             round moves nothing).
         seed: more than two models: seeds MergeMany's order of visits.
 
-    Details: ``weights`` (the model weights ``c``), and ``levels``: per hidden level its
+    Details: ``weights`` (the model weights ``c``) and ``weighting`` (``"uniform"`` or
+    ``"samples"``); where ``"auto"`` chose, ``weighting_chosen`` and ``fusion_set_losses`` (per
+    weighting); and ``levels``: per hidden level its
     ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row,
     averaged over the pairs of models), ``moved`` (neurons not matched to their own index,
     summed over models 1..N-1), ``permutation`` (model 1's; two models) or ``permutations``
@@ -189,7 +205,7 @@ class GitReBasin(FusionMethod):
         cost: str = "correlation",
         use_scores: bool = False,
         fallback_scores: str = "uniform",
-        weighted_average: bool = False,
+        weighted_average: bool | str = "auto",
         repair: bool = False,
         reset_batchnorm: bool = True,
         device: str = "auto",
@@ -201,6 +217,7 @@ class GitReBasin(FusionMethod):
             raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
         if fallback_scores not in SCORE_METHODS:
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
+        check_weighted_average(self.name, weighted_average)
         self.cost = cost
         self.use_scores = use_scores
         self.fallback_scores = fallback_scores
@@ -230,7 +247,7 @@ class GitReBasin(FusionMethod):
             )
 
     def requirements(self) -> frozenset[str]:
-        return self.requires | ({"sample_counts"} if self.weighted_average else set())
+        return self.requires | ({"sample_counts"} if self.weighted_average is True else set())
 
     def needs(self) -> frozenset[str]:
         needed = set(self.requirements())
@@ -238,39 +255,72 @@ class GitReBasin(FusionMethod):
             needed.add("scores")
             if self.fallback_scores != "uniform":
                 needed.add("labels")
+        if self.weighted_average == "auto":
+            needed |= {"labels", "sample_counts"}  # optional (the fallbacks)
         return frozenset(needed)
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         if _affine(models[0]):
-            fused, details = self._fuse_levels(models, inputs, target)
-        else:
-            fused, details = self._fuse_spaces(models, inputs, target)
-        if self.reset_batchnorm and has_batchnorm(fused):
-            assert inputs.data is not None
-            started = time.perf_counter()
-            reset_batchnorm_statistics(
-                fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
-            )
-            details["reset_batchnorm_seconds"] = time.perf_counter() - started
-        return fused, details
+            return self._fuse_levels(models, inputs, target)
+        return self._fuse_spaces(models, inputs, target)
+
+    def _fuse_levels(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """The fusion on the level path (affine levels)."""
+        return self._choose(self._level_fusions(models, inputs, target), inputs)
 
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """Match every feature space of the models (MergeMany), permute, average."""
+        """The fusion on the feature-space path (any model with feature spaces)."""
+        return self._choose(self._space_fusions(models, inputs, target), inputs)
+
+    def _choose(
+        self, fusions: dict[str, tuple[LeveledModel, dict[str, Any]]], inputs: FusionInputs
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Reset BatchNorm statistics; of several weightings', the lowest fusion-set loss."""
+        losses: dict[str, float] = {}
+        for weighting, (fused, details) in fusions.items():
+            if self.reset_batchnorm and has_batchnorm(fused):
+                assert inputs.data is not None
+                started = time.perf_counter()
+                reset_batchnorm_statistics(
+                    fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
+                )
+                details["reset_batchnorm_seconds"] = time.perf_counter() - started
+            if len(fusions) > 1:
+                losses[weighting] = fusion_set_loss(fused, inputs, self.batch_size_capture)
+        if not losses:
+            return next(iter(fusions.values()))
+        chosen = min(losses, key=losses.__getitem__)
+        fused, details = fusions[chosen]
+        details.update(weighting_chosen=chosen, fusion_set_losses=losses)
+        log.info("%s: %s weights (fusion-set losses %s)", self.name, chosen, losses)
+        return fused, details
+
+    def _space_fusions(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
+        """Match every feature space of the models (MergeMany), permute, average: per
+        candidate weighting, on the same costs."""
+        weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
         device = resolve_device(self.device)
         assert inputs.data is not None
-        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
         spaces = check_feature_spaces(models[0])
-        details: dict[str, Any] = {
-            "path": "spaces",
-            "weights": weights,
-            "cost": self.cost,
-            "spaces": [],
+        details = {
+            weighting: {
+                "path": "spaces",
+                "weighting": weighting,
+                "weights": weights,
+                "cost": self.cost,
+                "spaces": [],
+            }
+            for weighting, weights in weightings.items()
         }
-        maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
+        maps = {weighting: [{} for _ in models] for weighting in weightings}
         for position, space in enumerate(spaces):
             started = time.perf_counter()
             captured = [
@@ -285,42 +335,54 @@ class GitReBasin(FusionMethod):
                 for j in range(i + 1, len(models))
             }
             del captured
-            permutations, rounds = merge_many(
-                costs,
-                weights,
-                rounds=self.match_rounds,
-                seed=self.seed + position,
-                assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
-            )
-            matched = _matched(costs, permutations) / len(space.probes)
-            for model_maps, permutation in zip(maps[1:], permutations[1:], strict=True):
-                model_maps[space.name] = permutation_matrix(permutation)
-            seconds = time.perf_counter() - started
-            details["spaces"].append(
-                {
-                    "space": space.name,
-                    "matched": -matched if self.cost == "correlation" else matched,
-                    **_moves(permutations, rounds),
-                    "seconds": seconds,
-                }
-            )
-            log.debug("%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds)
-        aligned = [models[0]] + [
-            align_model(m, model_maps, spaces)
-            for m, model_maps in zip(models[1:], maps[1:], strict=True)
-        ]
-        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-        fused.load_state_dict(average_state_dicts(aligned, weights))
-        return fused, details
+            cost_seconds = time.perf_counter() - started
+            for weighting, weights in weightings.items():
+                started = time.perf_counter()
+                permutations, rounds = merge_many(
+                    costs,
+                    weights,
+                    rounds=self.match_rounds,
+                    seed=self.seed + position,
+                    assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
+                )
+                matched = _matched(costs, permutations) / len(space.probes)
+                for model_maps, permutation in zip(
+                    maps[weighting][1:], permutations[1:], strict=True
+                ):
+                    model_maps[space.name] = permutation_matrix(permutation)
+                seconds = cost_seconds + time.perf_counter() - started
+                details[weighting]["spaces"].append(
+                    {
+                        "space": space.name,
+                        "matched": -matched if self.cost == "correlation" else matched,
+                        **_moves(permutations, rounds),
+                        "seconds": seconds,
+                    }
+                )
+                log.debug(
+                    "%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds
+                )
+        fusions = {}
+        for weighting, weights in weightings.items():
+            aligned = [models[0]] + [
+                align_model(m, model_maps, spaces)
+                for m, model_maps in zip(models[1:], maps[weighting][1:], strict=True)
+            ]
+            fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+            fused.load_state_dict(average_state_dicts(aligned, weights))
+            fusions[weighting] = (fused, details[weighting])
+        return fusions
 
-    def _fuse_levels(
+    def _level_fusions(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
-    ) -> tuple[LeveledModel, dict[str, Any]]:
+    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
+        """Match every hidden level of the models (MergeMany), permute, average: per candidate
+        weighting, on the same costs."""
+        weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
         levels = check_levels(self.name, models)
         hidden = levels[:-1]
         device = resolve_device(self.device)
         assert inputs.data is not None
-        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
         scores = (
             resolve_scores(
                 self.name, models, inputs, fallback=self.fallback_scores, device=self.device
@@ -340,14 +402,21 @@ class GitReBasin(FusionMethod):
             )
             for m in models
         ]
-        permuted = [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
-        details: dict[str, Any] = {
-            "path": "levels",
-            "weights": weights,
-            "cost": self.cost,
-            "levels": [],
+        permuted = {
+            weighting: [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
+            for weighting in weightings
         }
-        lambdas: dict[int, torch.Tensor] = {}
+        details = {
+            weighting: {
+                "path": "levels",
+                "weighting": weighting,
+                "weights": weights,
+                "cost": self.cost,
+                "levels": [],
+            }
+            for weighting, weights in weightings.items()
+        }
+        lambdas: dict[str, dict[int, torch.Tensor]] = {weighting: {} for weighting in weightings}
         for index in hidden:
             started = time.perf_counter()
             outputs = [c[index].outputs for c in captured]
@@ -358,41 +427,50 @@ class GitReBasin(FusionMethod):
                 for i in range(len(models))
                 for j in range(i + 1, len(models))
             }
-            permutations, rounds = merge_many(
-                costs, weights, rounds=self.match_rounds, seed=self.seed + index
-            )
-            for model, permutation in zip(permuted[1:], permutations[1:], strict=True):
-                permute_level(model, index, permutation)
-            if scores is not None:
-                lambdas[index] = _score_lambdas(
-                    [w * s[index].double().cpu() for w, s in zip(weights, scores, strict=True)],
-                    permutations,
-                    weights,
+            cost_seconds = time.perf_counter() - started
+            for weighting, weights in weightings.items():
+                started = time.perf_counter()
+                permutations, rounds = merge_many(
+                    costs, weights, rounds=self.match_rounds, seed=self.seed + index
                 )
-            matched = _matched(costs, permutations)
-            seconds = time.perf_counter() - started
-            details["levels"].append(
-                {
-                    "level": models[0].level_name(index),
-                    "matched": -matched if self.cost == "correlation" else matched,
-                    **_moves(permutations, rounds),
-                    "seconds": seconds,
-                }
-            )
-            log.debug("%s level %s: matched %.4g (%.3f s)", self.name, index, matched, seconds)
-        fused = _average(permuted, target, weights, lambdas)
-        if self.repair:
-            started = time.perf_counter()
-            repair_model(
-                fused,
-                permuted,
-                inputs.data,
-                weights,
-                batch_size=self.batch_size_capture,
-                device=device,
-            )
-            details["repair_seconds"] = time.perf_counter() - started
-        return fused, details
+                for model, permutation in zip(
+                    permuted[weighting][1:], permutations[1:], strict=True
+                ):
+                    permute_level(model, index, permutation)
+                if scores is not None:
+                    lambdas[weighting][index] = _score_lambdas(
+                        [w * s[index].double().cpu() for w, s in zip(weights, scores, strict=True)],
+                        permutations,
+                        weights,
+                    )
+                matched = _matched(costs, permutations)
+                seconds = cost_seconds + time.perf_counter() - started
+                details[weighting]["levels"].append(
+                    {
+                        "level": models[0].level_name(index),
+                        "matched": -matched if self.cost == "correlation" else matched,
+                        **_moves(permutations, rounds),
+                        "seconds": seconds,
+                    }
+                )
+                log.debug("%s level %s: matched %.4g (%.3f s)", self.name, index, matched, seconds)
+        del captured
+        fusions = {}
+        for weighting, weights in weightings.items():
+            fused = _average(permuted[weighting], target, weights, lambdas[weighting])
+            if self.repair:
+                started = time.perf_counter()
+                repair_model(
+                    fused,
+                    permuted[weighting],
+                    inputs.data,
+                    weights,
+                    batch_size=self.batch_size_capture,
+                    device=device,
+                )
+                details[weighting]["repair_seconds"] = time.perf_counter() - started
+            fusions[weighting] = (fused, details[weighting])
+        return fusions
 
 
 def _affine(model: LeveledModel) -> bool:

@@ -9,7 +9,9 @@ it; and a method that falls back when an input is absent falls back the same way
   needs well-formed.
 * :func:`resolve_scores`: importance scores per model, given or computed on the fusion set with
   a fallback score method, then normalised per level.
-* :func:`sample_counts`, :func:`averaging_weights`: model weights from the sample counts.
+* :func:`sample_counts`, :func:`averaging_weights`: model weights from the sample counts;
+  :func:`averaging_candidates`: those to try for ``weighted_average="auto"``, kept by
+  :func:`fusion_set_loss`.
 * :func:`head_weights`: per class, each model's share of that class's training samples.
 * :func:`check_levels`: every model's neuron levels affine and the same.
 """
@@ -225,6 +227,60 @@ def averaging_weights(method: str, inputs: FusionInputs, count: int, weighted: b
         return [1.0 / count] * count
     counts = sample_counts(method, inputs, count)
     return [c / sum(counts) for c in counts]
+
+
+#: the values of a ``weighted_average`` option: uniform, by sample counts, chosen on the fusion set
+WEIGHTED_AVERAGE = (False, True, "auto")
+
+
+def check_weighted_average(method: str, weighted: object) -> None:
+    """Raise ValueError unless ``weighted`` is one of :data:`WEIGHTED_AVERAGE`."""
+    if not (isinstance(weighted, bool) or weighted == "auto"):
+        raise ValueError(
+            f"{method}: weighted_average must be true, false or 'auto', got {weighted!r}"
+        )
+
+
+def averaging_candidates(
+    method: str, inputs: FusionInputs, count: int, weighted: bool | str
+) -> dict[str, list[float]]:
+    """The model weights a method fuses with, by name (``"uniform"`` or ``"samples"``).
+
+    ``weighted=False``: uniform; ``True``: the sample counts normalised (FedAvg's weights).
+    ``"auto"``: both, when the sample counts and the labelled fusion set are given (the method
+    fuses with each and keeps the fused model with the lower :func:`fusion_set_loss`; when the
+    sample counts are all equal the two are one, ``"uniform"``); else the one the inputs allow:
+    the sample counts without a labelled fusion set, uniform without sample counts.
+    """
+    check_weighted_average(method, weighted)
+    if weighted != "auto":
+        name = "samples" if weighted else "uniform"
+        return {name: averaging_weights(method, inputs, count, bool(weighted))}
+    uniform = averaging_weights(method, inputs, count, False)
+    if inputs.sample_counts is None:
+        return {"uniform": uniform}
+    samples = averaging_weights(method, inputs, count, True)
+    if inputs.data is None or inputs.labels is None:
+        return {"samples": samples}
+    if all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(uniform, samples, strict=True)):
+        return {"uniform": uniform}
+    return {"uniform": uniform, "samples": samples}
+
+
+@torch.no_grad()
+def fusion_set_loss(model: LeveledModel, inputs: FusionInputs, batch_size: int = 256) -> float:
+    """Mean cross-entropy of ``model`` on the labelled fusion set (on the CPU): the criterion
+    by which the methods' ``"auto"`` options choose among their candidate fused models."""
+    if inputs.data is None or inputs.labels is None:
+        raise ValueError("the fusion-set loss needs FusionInputs.data and FusionInputs.labels")
+    model = model.cpu().eval()
+    batches = zip(
+        inputs.data.cpu().split(batch_size), inputs.labels.cpu().split(batch_size), strict=True
+    )
+    total = sum(
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item() for x, y in batches
+    )
+    return total / len(inputs.data)
 
 
 def class_count_matrix(

@@ -30,6 +30,15 @@ transported. The fused model is then the average of the reference and the aligne
 uniform or weighted by sample counts; optionally followed by
 :func:`~fedfuse.fusion.blocks.repair.repair`.
 
+Choices the paper leaves open are options, each with an ``"auto"`` rule that fuses with every
+candidate and keeps the fused model with the lowest cross-entropy on the labelled fusion set
+(:func:`~fedfuse.fusion.inputs.fusion_set_loss`; never the test set): the ground cost
+(``ground_metric``), the reference model (``reference``) and the averaging weights
+(``weighted_average``; the authors' code has ``ensemble_step``, the weight of the reference
+model, for data split unevenly). The activations are captured once and each alignment is
+averaged with every candidate weighting, so ``"auto"`` weights cost one more average and one
+more loss evaluation per alignment.
+
 With uniform marginals on equal widths, EMD's plan is a permutation (divided by ``n``), so this
 is then the same as a Hungarian matching on the same cost. Activations are those of the
 *original* models (as in the authors' activation-based variant): for a permutation they equal
@@ -87,7 +96,14 @@ from fedfuse.fusion.blocks.space_alignment import (
     space_cost,
 )
 from fedfuse.fusion.blocks.transport import SOLVERS, row_stochastic, transport_plan
-from fedfuse.fusion.inputs import averaging_weights, check_levels, resolve_scores
+from fedfuse.fusion.inputs import (
+    averaging_candidates,
+    check_levels,
+    check_weighted_average,
+    fusion_set_loss,
+    resolve_scores,
+    sample_counts,
+)
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.capture import capture_levels
 from fedfuse.models.importance import SCORE_METHODS
@@ -96,6 +112,8 @@ from fedfuse.runtime import resolve_device
 log = logging.getLogger(__name__)
 
 GROUND_METRICS = ("auto", "activations", "weights")
+#: the ``reference`` rules besides a model index
+REFERENCE_RULES = ("largest", "auto")
 
 
 # ---------------------------------------------------------------------------------- the method
@@ -104,7 +122,14 @@ class OTFusion(FusionMethod):
     """OTFusion: transport every model's neurons onto a reference model's, then average.
 
     Args:
-        reference: index of the reference model (the others are aligned to it).
+        reference: the reference model, whose neurons the others are transported onto (the
+            paper aligns to "one of the models", leaving which open): its index (default 0);
+            ``"largest"``, the model with the most training samples (needs the sample counts);
+            or ``"auto"``, every model in turn, keeping the fused model with the lower
+            fusion-set cross-entropy (one alignment per model; without a labelled fusion set,
+            the largest, or model 0 without sample counts). The default stays 0: where the
+            weight cost wins (sites from one initialisation) every reference gives the same
+            identity transport, and ``"auto"`` costs N alignments.
         ground_metric: ``"activations"`` (pre-activations on the fusion set) or ``"weights"``
             (realigned incoming weights and bias; needs no fusion set); ``"auto"`` (default):
             on affine models, both, keeping the fused model with the lower cross-entropy on the
@@ -116,7 +141,13 @@ class OTFusion(FusionMethod):
         max_iter: Sinkhorn iterations at most.
         use_scores: use importance scores as the OT marginals (else uniform).
         fallback_scores: score method on the fusion set when scores are used but none given.
-        weighted_average: average the aligned models weighted by their sample counts.
+        weighted_average: the weights of the average of the aligned models: ``False``
+            uniform (the paper's ``ensemble_step=0.5`` for two models), ``True`` by sample
+            counts (FedAvg's), or ``"auto"`` (default): both, keeping the fused model with the
+            lower cross-entropy on the labelled fusion set (the paper leaves the proportions to
+            the user; sites of unequal sizes favour the counts, sites of equal skill uniform).
+            The transport does not depend on them, so the aligned models are averaged twice,
+            not realigned. Without labels, the sample counts; without sample counts, uniform.
         repair: apply REPAIR (Jordan et al., 2022) to the fused model, with the aligned models'
             statistics and the averaging weights; needs the fusion set (affine levels only).
         reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
@@ -124,7 +155,15 @@ class OTFusion(FusionMethod):
         device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
         batch_size_capture: samples per forward pass when capturing level outputs.
 
-    Details: ``reference``, ``weights``, and ``levels``: per hidden level its ``level`` name,
+    The transport map is the paper's corrected one (``correction`` with proper marginals in
+    the authors' code): the plan scaled by the inverse of the reference's marginal, so every
+    reference neuron gets a convex combination of the model's neurons (see the module doc).
+
+    Details: ``reference``, ``ground_metric``, ``weighting`` (``"uniform"`` or ``"samples"``),
+    ``weights``; where an ``"auto"`` option chose, ``ground_metric_chosen``,
+    ``reference_chosen``, ``weighting_chosen`` and ``fusion_set_losses`` (per candidate fusion,
+    its ``ground_metric``, ``reference``, ``weighting`` and ``loss``); and ``levels``: per
+    hidden level its ``level`` name,
     ``transport_cost`` (``<P*, C>`` per aligned model, in the ground metric's units),
     ``seconds`` (cost and transport, all models) and ``permutation`` (whether every plan was a
     permutation). On the feature-space path ``spaces`` instead, the same per feature space,
@@ -135,14 +174,14 @@ class OTFusion(FusionMethod):
 
     def __init__(
         self,
-        reference: int = 0,
+        reference: int | str = 0,
         ground_metric: str = "auto",
         solver: str = "emd",
         reg: float = 0.01,
         max_iter: int = 1000,
         use_scores: bool = False,
         fallback_scores: str = "uniform",
-        weighted_average: bool = False,
+        weighted_average: bool | str = "auto",
         repair: bool = False,
         reset_batchnorm: bool = True,
         device: str = "auto",
@@ -158,6 +197,13 @@ class OTFusion(FusionMethod):
             raise ValueError(f"Sinkhorn needs reg > 0, got {reg}")
         if fallback_scores not in SCORE_METHODS:
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
+        if isinstance(reference, bool) or not (
+            isinstance(reference, int) or reference in REFERENCE_RULES
+        ):
+            raise ValueError(
+                f"reference must be a model index or one of {REFERENCE_RULES}, got {reference!r}"
+            )
+        check_weighted_average(self.name, weighted_average)
         self.reference = reference
         self.ground_metric = ground_metric
         self.solver = solver
@@ -194,7 +240,7 @@ class OTFusion(FusionMethod):
         needed = set(self.requires)
         if self.ground_metric == "activations" or self.repair:
             needed.add("data")
-        if self.weighted_average:
+        if self.weighted_average is True or self.reference == "largest":
             needed.add("sample_counts")
         return frozenset(needed)
 
@@ -210,67 +256,172 @@ class OTFusion(FusionMethod):
 
     def _check(self, models: Sequence[LeveledModel], inputs: FusionInputs, **options: Any) -> None:
         super()._check(models, inputs, **options)
-        if not 0 <= self.reference < len(models):
+        if isinstance(self.reference, int) and not 0 <= self.reference < len(models):
             raise ValueError(f"{self.name}: reference {self.reference} is not one of the models")
 
     def needs(self) -> frozenset[str]:
         needed = set(self._needs())
         if self.ground_metric == "auto":
             needed |= {"data", "labels"}  # optional: without them, weights
+        if self.weighted_average == "auto" or self.reference == "auto":
+            needed |= {"data", "labels", "sample_counts"}  # optional (the fallbacks)
         return frozenset(needed)
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        if not _affine(models[0]):
-            return self._finish(*self._fuse_spaces(models, inputs, target), inputs)
-        if self.ground_metric != "auto":
-            return self._finish(*self._fuse_levels(models, inputs, target), inputs)
-        if inputs.data is None:
-            return self._finish(*self._fuse_levels(models, inputs, target, "weights"), inputs)
-        if inputs.labels is None:
-            return self._finish(*self._fuse_levels(models, inputs, target, "activations"), inputs)
-        candidates = {
-            metric: self._finish(*self._fuse_levels(models, inputs, target, metric), inputs)
-            for metric in ("activations", "weights")
-        }
-        losses = {
-            metric: _loss(fused, inputs.data, inputs.labels, self.batch_size_capture)
-            for metric, (fused, _) in candidates.items()
-        }
-        chosen = min(losses, key=losses.__getitem__)
-        fused, details = candidates[chosen]
-        details.update(ground_metric_chosen=chosen, fusion_set_losses=losses)
-        log.info("%s: ground metric %s (fusion-set losses %s)", self.name, chosen, losses)
-        return fused, details
+        return self._fuse_path(models, inputs, target, _affine(models[0]))
 
-    def _finish(
-        self, fused: LeveledModel, details: dict[str, Any], inputs: FusionInputs
+    def _fuse_levels(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        if self.reset_batchnorm and has_batchnorm(fused):
-            if inputs.data is None:
-                raise ValueError(f"{self.name}: resetting BatchNorm statistics needs the data")
-            started = time.perf_counter()
-            reset_batchnorm_statistics(
-                fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
-            )
-            details["reset_batchnorm_seconds"] = time.perf_counter() - started
-        return fused.cpu(), details
+        """The fusion on the level path (affine levels)."""
+        return self._fuse_path(models, inputs, target, True)
 
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """Transport every feature space of every model onto the reference's, then average."""
+        """The fusion on the feature-space path (any model with feature spaces)."""
+        return self._fuse_path(models, inputs, target, False)
+
+    def _fuse_path(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec, affine: bool
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Align (per ground metric and reference), average (per weighting), keep the
+        candidate with the lowest fusion-set loss where there are several."""
+        metrics = self._metrics(inputs) if affine else ["activations"]
+        references = self._references(models, inputs)
+        weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
+        captured = None
+        if affine and "activations" in metrics:
+            assert inputs.data is not None
+            hidden = check_levels(self.name, models)[:-1]
+            device = resolve_device(self.device)
+            captured = [  # once, whichever reference
+                capture_levels(
+                    m,
+                    inputs.data,
+                    hidden,
+                    batch_size=self.batch_size_capture,
+                    device=device,
+                    store_device=device,
+                    keep_inputs=False,
+                )
+                for m in models
+            ]
+        choose = len(metrics) * len(references) * len(weightings) > 1
+        best: tuple[float, LeveledModel, dict[str, Any]] | None = None
+        losses: list[dict[str, Any]] = []
+        for metric in metrics:
+            for ref in references:
+                if affine:
+                    aligned, alignment = self._align_levels(models, inputs, metric, ref, captured)
+                else:
+                    aligned, alignment = self._align_spaces(models, inputs, ref)
+                for weighting, weights in weightings.items():
+                    details = {**alignment, "weighting": weighting, "weights": weights}
+                    fused = self._average(aligned, weights, inputs, target, details, affine)
+                    if not choose:
+                        return fused, details
+                    loss = fusion_set_loss(fused, inputs, self.batch_size_capture)
+                    losses.append(
+                        {"ground_metric": metric, "reference": ref, "weighting": weighting}
+                        | {"loss": loss}
+                    )
+                    if best is None or loss < best[0]:
+                        best = (loss, fused, details)
+        assert best is not None
+        _, fused, details = best
+        for option, key in (("ground_metric", metrics), ("reference", references)):
+            if len(key) > 1:
+                details[f"{option}_chosen"] = details[option]
+        if len(weightings) > 1:
+            details["weighting_chosen"] = details["weighting"]
+        details["fusion_set_losses"] = losses
+        log.info(
+            "%s: ground metric %s, reference %s, %s weights (fusion-set losses %s)",
+            self.name,
+            details["ground_metric"],
+            details["reference"],
+            details["weighting"],
+            losses,
+        )
+        return fused, details
+
+    def _metrics(self, inputs: FusionInputs) -> list[str]:
+        """The ground metrics to fuse with (affine levels): ``auto``, both when the fusion set
+        is labelled, else activations (unlabelled) or weights (no fusion set)."""
+        if self.ground_metric != "auto":
+            return [self.ground_metric]
+        if inputs.data is None:
+            return ["weights"]
+        if inputs.labels is None:
+            return ["activations"]
+        return ["activations", "weights"]
+
+    def _references(self, models: list[LeveledModel], inputs: FusionInputs) -> list[int]:
+        """The reference models to align to: the index; ``"largest"``: the model with the most
+        samples; ``"auto"``: every model when the fusion set is labelled, else the largest (or
+        model 0 without sample counts)."""
+        if isinstance(self.reference, int):
+            return [self.reference]
+        labelled = inputs.data is not None and inputs.labels is not None
+        if self.reference == "auto" and labelled:
+            return list(range(len(models)))
+        if inputs.sample_counts is None:
+            if self.reference == "largest":
+                raise ValueError(
+                    f"{self.name}: needs FusionInputs.sample_counts, which was not given"
+                )
+            return [0]
+        counts = sample_counts(self.name, inputs, len(models))
+        return [counts.index(max(counts))]
+
+    def _average(
+        self,
+        aligned: list[LeveledModel],
+        weights: list[float],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        details: dict[str, Any],
+        affine: bool,
+    ) -> LeveledModel:
+        """The ``weights``-average of the aligned models, repaired (affine levels, ``repair``)
+        and its BatchNorm statistics reset (``reset_batchnorm``); timings into ``details``."""
+        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+        fused.load_state_dict(average_state_dicts(aligned, weights))
+        device = resolve_device(self.device)
+        if affine and self.repair:
+            assert inputs.data is not None
+            started = time.perf_counter()
+            repair_model(
+                fused,
+                aligned,
+                inputs.data,
+                weights,
+                batch_size=self.batch_size_capture,
+                device=device,
+            )
+            details["repair_seconds"] = time.perf_counter() - started
+        if self.reset_batchnorm and has_batchnorm(fused):
+            if inputs.data is None:
+                raise ValueError(f"{self.name}: resetting BatchNorm statistics needs the data")
+            started = time.perf_counter()
+            reset_batchnorm_statistics(fused, inputs.data, self.batch_size_capture, device)
+            details["reset_batchnorm_seconds"] = time.perf_counter() - started
+        return fused.cpu()
+
+    def _align_spaces(
+        self, models: list[LeveledModel], inputs: FusionInputs, ref: int
+    ) -> tuple[list[LeveledModel], dict[str, Any]]:
+        """Transport every feature space of every model onto the reference's."""
         device = resolve_device(self.device)
         assert inputs.data is not None
-        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
-        ref = self.reference
         spaces = check_feature_spaces(models[ref])
         maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
         details: dict[str, Any] = {
             "path": "spaces",
             "reference": ref,
-            "weights": weights,
             "ground_metric": "activations",
             "solver": self.solver,
             "spaces": [],
@@ -307,20 +458,18 @@ class OTFusion(FusionMethod):
             )
             log.debug("%s space %s: costs %s (%.3f s)", self.name, space.name, costs, seconds)
         aligned = [m if k == ref else align_model(m, maps[k], spaces) for k, m in enumerate(models)]
-        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-        fused.load_state_dict(average_state_dicts(aligned, weights))
-        return fused, details
+        return aligned, details
 
-    def _fuse_levels(
+    def _align_levels(
         self,
         models: list[LeveledModel],
         inputs: FusionInputs,
-        target: ModelSpec,
-        metric: str | None = None,
-    ) -> tuple[LeveledModel, dict[str, Any]]:
-        metric = metric or self.ground_metric
-        if metric == "auto":  # one fusion: the cost the data allows (``_fuse`` chooses by loss)
-            metric = "activations" if inputs.data is not None else "weights"
+        metric: str,
+        ref: int,
+        captured: list[Any] | None,
+    ) -> tuple[list[LeveledModel], dict[str, Any]]:
+        """Transport every model's neurons onto the reference's, level by level, bottom-up
+        (``captured``: the models' level outputs, for the activation cost)."""
         levels = check_levels(self.name, models)
         hidden = levels[:-1]
         device = resolve_device(self.device)
@@ -331,29 +480,11 @@ class OTFusion(FusionMethod):
             if self.use_scores
             else None
         )
-        weights = averaging_weights(self.name, inputs, len(models), self.weighted_average)
-        captured = None
-        if metric == "activations":
-            assert inputs.data is not None
-            captured = [
-                capture_levels(
-                    m,
-                    inputs.data,
-                    hidden,
-                    batch_size=self.batch_size_capture,
-                    device=device,
-                    store_device=device,
-                    keep_inputs=False,
-                )
-                for m in models
-            ]
-        ref = self.reference
         aligned = [copy.deepcopy(m).cpu() for m in models]  # the inputs are never modified
         views = [affine_levels(m) for m in aligned]
         details: dict[str, Any] = {
             "path": "levels",
             "reference": ref,
-            "weights": weights,
             "ground_metric": metric,
             "solver": self.solver,
             "levels": [],
@@ -365,7 +496,8 @@ class OTFusion(FusionMethod):
             for k in range(len(models)):
                 if k == ref:
                     continue
-                if captured is not None:
+                if metric == "activations":
+                    assert captured is not None
                     cost = squared_distances(
                         captured[ref][index].outputs,
                         captured[k][index].outputs,
@@ -403,21 +535,7 @@ class OTFusion(FusionMethod):
                 }
             )
             log.debug("%s level %s: costs %s (%.3f s)", self.name, index, costs, seconds)
-        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-        fused.load_state_dict(average_state_dicts(aligned, weights))
-        if self.repair:
-            assert inputs.data is not None
-            started = time.perf_counter()
-            repair_model(
-                fused,
-                aligned,
-                inputs.data,
-                weights,
-                batch_size=self.batch_size_capture,
-                device=device,
-            )
-            details["repair_seconds"] = time.perf_counter() - started
-        return fused.cpu(), details
+        return aligned, details
 
 
 def _affine(model: LeveledModel) -> bool:
@@ -427,14 +545,3 @@ def _affine(model: LeveledModel) -> bool:
     except ValueError:
         return False
     return True
-
-
-@torch.no_grad()
-def _loss(model: LeveledModel, data: torch.Tensor, labels: torch.Tensor, batch: int) -> float:
-    """Mean cross-entropy of ``model`` on the labelled fusion set (on the CPU)."""
-    model = model.cpu().eval()
-    total = sum(
-        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").item()
-        for x, y in zip(data.cpu().split(batch), labels.cpu().split(batch), strict=True)
-    )
-    return total / len(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
 from fedfuse.fusion.fedma import FedMAMatching
+from fedfuse.fusion.fedma_bbp import _client_gains
 from fedfuse.fusion.regmean import RegMean, level_grams
 from fedfuse.models import LeveledModel, build_model, mlp_spec
 from fedfuse.models.affine import affine_view
@@ -114,6 +116,76 @@ def test_fedma_fuses_clients_of_different_widths(x):
     other = build_model(mlp_spec((1, 4, 4), 4, (8, 6)), seed=0)
     with pytest.raises(ValueError, match="more than the widths"):
         FedMAMatching().fuse([a, other])
+
+
+def _labelled(x: torch.Tensor, classes: int = 3) -> FusionInputs:
+    labels = torch.arange(len(x)) % classes
+    return FusionInputs(data=x, labels=labels)
+
+
+def test_fedma_popularity_code_is_fedmas_clipped_log():
+    # one client neuron against two global neurons used by 1 and 12 of J = 20 clients: only the
+    # popularity term differs, 2 log(m/(J-m)) (paper) against log(min(m,10)/(J-min(m,10)))
+    v = torch.randn(1, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    sums = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    precisions = torch.tensor([2.0, 13.0], dtype=torch.float64)
+    counts = torch.tensor([1.0, 12.0], dtype=torch.float64)
+    common = dict(new_columns=1, clients=20, sigma=1.0, sigma0=1.0, gamma=1.0)
+    paper = _client_gains(v, sums, precisions, counts, **common)
+    code = _client_gains(v, sums, precisions, counts, popularity="code", **common)
+    expected = torch.tensor([[-math.log(1 / 19), math.log(10 / 10) - 2 * math.log(12 / 8), 0]])
+    assert torch.allclose(code - paper, expected.double(), atol=1e-12)
+    with pytest.raises(ValueError, match="popularity"):
+        FedMAMatching(popularity="fedma")
+
+
+@torch.no_grad()
+def test_fedma_chooses_sigma_on_the_fusion_set(x):
+    spec = mlp_spec((1, 4, 4), 3, (8, 6))
+    models = [build_model(spec, seed=s) for s in range(3)]
+    inputs = _labelled(x)
+    method = FedMAMatching(sigma=0.4, grid=5)
+    assert method.needs() == {"class_counts", "data", "labels"}
+    result = method.fuse(models, inputs)
+    selection = result.details["selection"]
+    assert selection["sigmas"] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6])
+    losses = selection["fusion_loss"]
+    chosen = selection["chosen"]
+    assert losses[chosen] == min(losses)
+    assert result.details["sigma"] == pytest.approx(selection["sigmas"][chosen])
+    # the chosen model is the one the fixed sigma gives, and its loss is the one reported
+    fixed = FedMAMatching(sigma=selection["sigmas"][chosen], select=False).fuse(models, inputs)
+    assert torch.allclose(result.model(x), fixed.model(x))
+    loss = F.cross_entropy(result.model(x), inputs.labels).item()
+    assert loss == pytest.approx(losses[chosen], rel=1e-6)
+    # different sigmas give different fused models here, so the choice matters
+    assert len({round(v, 6) for v in losses}) > 1
+
+
+@torch.no_grad()
+def test_fedma_without_a_labelled_fusion_set_keeps_the_configured_sigma(tiny_mlp, x):
+    b = build_model(tiny_mlp.spec, seed=1)
+    plain = FedMAMatching(sigma=0.3).fuse([tiny_mlp, b])
+    assert plain.details["sigma"] == 0.3 and "selection" not in plain.details
+    fixed = FedMAMatching(sigma=0.3, select=False).fuse([tiny_mlp, b], _labelled(x))
+    assert "selection" not in fixed.details
+    assert torch.allclose(plain.model(x), fixed.model(x))
+    single = FedMAMatching(grid=1)
+    assert single.needs() == {"class_counts"}
+    with pytest.raises(ValueError, match="grid"):
+        FedMAMatching(grid=0)
+
+
+@torch.no_grad()
+def test_fedma_selection_keeps_identical_and_permuted_models(tiny_mlp, x):
+    inputs = _labelled(x)
+    same = FedMAMatching().fuse([tiny_mlp] * 4, inputs)
+    assert same.details["new_neurons"] == [0, 0]
+    assert _relative_error(same.model(x), tiny_mlp(x)) < 1e-3
+    permuted = FedMAMatching().fuse([tiny_mlp, permuted_copy(tiny_mlp)], inputs)
+    assert permuted.details["widths"] == list(tiny_mlp.spec.widths)
+    # (the largest sigma of the grid shrinks the matched neurons toward 0 by ~1e-3 per level)
+    assert _relative_error(permuted.model(x), tiny_mlp(x)) < 5e-3
 
 
 # -------------------------------------------------------------------------------------- RegMean

@@ -18,6 +18,7 @@ from fedfuse.fusion.fs_merge import (
     FoldableMatrix,
     FoldableSuperNet,
     FSMerge,
+    StackedLevel,
     correlation_matrix,
     zipit_assignment,
 )
@@ -55,8 +56,15 @@ def test_methods_are_registered_and_configurable():
         assert name in FUSION_METHODS
     method = make_fusion_method("fs-merge", objective="local", init="first", rank=0, epochs=3)
     assert isinstance(method, FSMerge) and method.schedule().epochs == 3
-    assert FSMerge().schedule().epochs == 10_000  # App. E.1: global, ZipIt init
-    assert FSMerge(objective="local").schedule().scheduler == "step"
+    fast = FSMerge().schedule()  # the default recipe: Adam, 300 epochs, one cosine cycle
+    assert (fast.optimizer, fast.epochs, fast.lr, fast.scheduler) == ("adam", 300, 0.01, "cosine")
+    paper = FSMerge(recipe="paper").schedule()  # App. E.1: global, ZipIt init
+    assert (paper.optimizer, paper.epochs, paper.lr, paper.momentum) == ("sgd", 10_000, 0.1, 0.9)
+    assert FSMerge(recipe="paper", objective="local").schedule().scheduler == "step"
+    overridden = FSMerge(recipe="paper", optimizer="adam", lr=0.5, epochs=7).schedule()
+    assert (overridden.optimizer, overridden.lr, overridden.epochs) == ("adam", 0.5, 7)
+    with pytest.raises(ValueError, match="recipe"):
+        FSMerge(recipe="slow")
     with pytest.raises(ValueError):
         make_fusion_method("fs-merge", init="random")
 
@@ -176,7 +184,7 @@ def test_the_folded_model_computes_what_the_supernet_computes(spec, rank):
     x = _data(5, spec.input_shape)
     with torch.no_grad():
         first = torch.cat([m.levels[levels[0]](x) for m in models], 1)
-        base_levels = [[m.levels[i] for m in models] for i in levels[1:-1]]
+        base_levels = [StackedLevel([m.levels[i] for m in models]) for i in levels[1:-1]]
         reconstruction = net.chain(first, base_levels)
         slot = reconstruction[:, : models[0].level_width(levels[-2])]
         expected = models[0].levels[levels[-1]](slot)
@@ -247,3 +255,28 @@ def test_linear_probe_on_labels_fits_them(pair, fusion):
     assert result.details["training"]["best_loss"] < result.details["training"]["initial_loss"]
     with pytest.raises(ValueError, match="labels"):
         LinearProbe("labels").fuse(pair, FusionInputs(data=fusion.data))
+
+
+@pytest.mark.parametrize(
+    ("make", "part_shape", "kind"),
+    [
+        (lambda: torch.nn.Conv2d(3, 4, 3, padding=1), (3, 6, 6), "conv"),
+        (lambda: torch.nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False), (4, 6, 6), "conv"),
+        (lambda: torch.nn.Linear(5, 7), (5,), "linear"),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3, bias=False)),
+            (3, 2, 2),
+            "flatten-linear",
+        ),
+        (lambda: torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Conv2d(3, 2, 1)), (3, 4, 4), "loop"),
+    ],
+)
+def test_a_stacked_level_computes_each_models_level_on_its_slice(make, part_shape, kind) -> None:
+    """One grouped/batched call gives exactly the model-by-model outputs, concatenated."""
+    torch.manual_seed(0)
+    levels = [make() for _ in range(3)]
+    parts = [torch.randn(4, *part_shape) for _ in levels]
+    stacked = StackedLevel(levels)
+    expected = torch.cat([level(p) for level, p in zip(levels, parts, strict=True)], 1)
+    assert stacked.kind == kind
+    assert torch.allclose(stacked(torch.cat(parts, 1)), expected, atol=1e-5)

@@ -1,6 +1,6 @@
 """The contract every registered fusion method keeps (a new method is covered by registering it).
 
-For each name in ``FUSION_METHODS``, on two tiny MLPs (and on 3 and 5: every method fuses
+For each name in ``FUSION_METHODS``, on two tiny MLPs (and on 3, 5 and 10: every method fuses
 more than two): the inputs are left as they were, the fused model has the requested spec and
 runs, a seeded fusion is repeatable, the method and its config pickle, ``needs()`` covers what
 it reads (any other input may go), and bad inputs get an error that names the field, the model
@@ -167,7 +167,7 @@ def test_the_fused_model_has_the_requested_spec_and_runs(name, models, full):
                 assert fused.spec == narrow
 
 
-@pytest.mark.parametrize("count", [3, 5])
+@pytest.mark.parametrize("count", [3, 5, 10])
 @pytest.mark.parametrize("name", NAMES)
 def test_every_method_fuses_more_than_two_models(name, count):
     many = [build_model(SPEC, seed=seed).eval() for seed in range(count)]

@@ -151,6 +151,7 @@ def test_otfusion_of_three_models_and_a_reference():
     inputs = FusionInputs(data=x, sample_counts=[1, 2, 3])
     result = OTFusion(weighted_average=True, repair=True).fuse(others, inputs)
     assert result.details["weights"] == pytest.approx([1 / 6, 2 / 6, 3 / 6])
+    assert result.details["weighting"] == "samples"
     assert torch.isfinite(result.model(x)).all()
     with pytest.raises(ValueError, match="reference"):
         OTFusion(reference=3).fuse(others, inputs)
@@ -170,9 +171,10 @@ def test_auto_ground_metric_keeps_the_fusion_with_the_lower_fusion_set_loss():
     x = data_for(MLP)
     y = torch.randint(0, MLP.num_classes, (len(x),), generator=torch.Generator().manual_seed(0))
     auto = OTFusion().fuse(models, FusionInputs(data=x, labels=y))
-    losses = auto.details["fusion_set_losses"]
+    losses = {c["ground_metric"]: c["loss"] for c in auto.details["fusion_set_losses"]}
     chosen = auto.details["ground_metric_chosen"]
     assert set(losses) == {"activations", "weights"} and losses[chosen] == min(losses.values())
+    assert "weighting_chosen" not in auto.details  # no sample counts: uniform only
     explicit = OTFusion(ground_metric=chosen).fuse(models, FusionInputs(data=x))
     for key, value in explicit.model.state_dict().items():
         assert torch.equal(auto.model.state_dict()[key], value), key
@@ -181,6 +183,93 @@ def test_auto_ground_metric_keeps_the_fusion_with_the_lower_fusion_set_loss():
     # without labels the cost cannot be chosen: activations; without data: weights
     assert OTFusion().fuse(models, FusionInputs(data=x)).details["ground_metric"] == "activations"
     assert OTFusion().fuse(models).details["ground_metric"] == "weights"
+
+
+def skewed_sites(seed=0):
+    """Three permuted copies of one model and a fusion set it classifies, in which one site
+    (a model made to predict class 0 everywhere) has the most or the fewest samples."""
+    good = build_model(MLP, seed=seed).eval()
+    x = data_for(MLP, n=64, seed=seed)
+    y = good(x).argmax(1)
+    bad = copy.deepcopy(good)
+    head = affine_levels(bad)[good.neuron_levels[-1]]
+    rows = head.weights().clone()
+    rows.zero_()
+    rows[0, -1] = 100.0  # the class-0 logit's bias: always class 0
+    head.set_weights(rows)
+    return [permuted_copy(good, seed=1), permuted_copy(bad, seed=2), good], x, y
+
+
+@pytest.mark.parametrize("method", [OTFusion, GitReBasin])
+def test_auto_weighting_keeps_the_average_with_the_lower_fusion_set_loss(method):
+    models, x, y = skewed_sites()
+    for counts, expected in (([10, 1, 10], "samples"), ([1, 10, 1], "uniform")):
+        inputs = FusionInputs(data=x, labels=y, sample_counts=counts)
+        auto = method().fuse(models, inputs)
+        losses = auto.details["fusion_set_losses"]
+        if method is OTFusion:
+            losses = {c["weighting"]: c["loss"] for c in losses}
+        assert set(losses) == {"uniform", "samples"}
+        assert auto.details["weighting_chosen"] == expected == auto.details["weighting"]
+        assert losses[expected] < losses[{"uniform": "samples", "samples": "uniform"}[expected]]
+        # the choice is the fusion with that weighting, exactly
+        explicit = method(weighted_average=expected == "samples").fuse(models, inputs)
+        assert auto.details["weights"] == explicit.details["weights"]
+        for key, value in explicit.model.state_dict().items():
+            assert torch.equal(auto.model.state_dict()[key], value), key
+        loss = torch.nn.functional.cross_entropy(explicit.model(x), y).item()
+        assert losses[expected] == pytest.approx(loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", [OTFusion, GitReBasin])
+def test_auto_weighting_falls_back_to_what_the_inputs_allow(method):
+    models, x, y = skewed_sites()
+    counts = [10, 1, 10]
+    cases = [  # (inputs, the one weighting fused with)
+        (FusionInputs(data=x, sample_counts=counts), "samples"),  # no labels
+        (FusionInputs(data=x, labels=y), "uniform"),  # no sample counts
+        (FusionInputs(data=x, labels=y, sample_counts=[5, 5, 5]), "uniform"),  # the same two
+    ]
+    for inputs, weighting in cases:
+        result = method().fuse(models, inputs)
+        assert result.details["weighting"] == weighting
+        assert "weighting_chosen" not in result.details
+        assert "sample_counts" not in method().requirements()
+    with pytest.raises(ValueError, match="weighted_average"):
+        method(weighted_average="samples")
+
+
+def test_otfusion_reference_rules():
+    model = build_model(MLP, seed=0).eval()
+    x = data_for(MLP)
+    models = [permuted_copy(model, 1), permuted_copy(model, 2), model]
+    # largest: the model with the most samples is the reference (its parameters come back)
+    for counts, largest in (([1, 2, 3], 2), ([5, 9, 1], 1)):
+        inputs = FusionInputs(data=x, sample_counts=counts)
+        result = OTFusion(reference="largest", weighted_average=False).fuse(models, inputs)
+        assert result.details["reference"] == largest
+        assert same_params(result.model, params(models[largest]), atol=1e-5)
+    assert "sample_counts" in OTFusion(reference="largest").requirements()
+    with pytest.raises(ValueError, match="sample_counts"):
+        OTFusion(reference="largest").fuse(models, FusionInputs(data=x))
+    # auto: every model as the reference, the lowest fusion-set loss kept
+    others = [build_model(MLP, seed=s) for s in range(3)]
+    y = torch.randint(0, MLP.num_classes, (len(x),), generator=torch.Generator().manual_seed(0))
+    inputs = FusionInputs(data=x, labels=y)
+    auto = OTFusion(reference="auto", ground_metric="activations").fuse(others, inputs)
+    losses = {c["reference"]: c["loss"] for c in auto.details["fusion_set_losses"]}
+    chosen = auto.details["reference_chosen"]
+    assert set(losses) == {0, 1, 2} and losses[chosen] == min(losses.values())
+    explicit = OTFusion(reference=chosen, ground_metric="activations").fuse(others, inputs)
+    for key, value in explicit.model.state_dict().items():
+        assert torch.equal(auto.model.state_dict()[key], value), key
+    # without labels: the largest model, or model 0 without sample counts
+    unlabelled = FusionInputs(data=x, sample_counts=[1, 3, 2])
+    assert OTFusion(reference="auto").fuse(others, unlabelled).details["reference"] == 1
+    assert OTFusion(reference="auto").fuse(others, FusionInputs(data=x)).details["reference"] == 0
+    for bad in ("first", True, 1.0):
+        with pytest.raises(ValueError, match="reference"):
+            OTFusion(reference=bad)
 
 
 def test_git_rebasin_score_weighted_average():

@@ -86,6 +86,23 @@ def test_methods_needing_the_sites_get_two_in_process_sites():
     assert "2 sites in-process" in rows[0]["note"]
 
 
+def test_several_lenets_each_site_with_its_part_of_the_fusion_set():
+    rows = speed.measure(
+        ["fs-merge", "hf-sites"],
+        arch="lenet5",
+        input_shape=(1, 28, 28),
+        fusion_samples=10,
+        device="cpu",
+        options={"fs-merge": {"epochs": 2}},
+        count=5,
+    )
+    for row in rows:
+        _assert_timed(row)
+    assert "5 sites in-process" in _by_method(rows)["hf-sites"]["note"]
+    with pytest.raises(ValueError, match="count >= 2"):
+        speed.measure(["fedavg"], arch="lenet5", input_shape=(1, 28, 28), count=1)
+
+
 def test_all_and_options_split():
     assert speed.resolve_methods("all") == sorted(FUSION_METHODS)
     assert speed.resolve_methods("fedavg,all")[0] == "fedavg"
@@ -107,7 +124,7 @@ def test_cli_prints_the_table_with_the_device(capsys):
     )  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    assert "fusing two resnet (blocks=[1, 1, 1, 1], stem=cifar" in out
+    assert "fusing 2 x resnet (blocks=[1, 1, 1, 1], stem=cifar" in out
     assert "device cpu" in out
     assert "| method | seconds (median) | peak RSS GiB | peak CUDA GiB | note |" in out
     assert "| fedavg |" in out and "- fedma (refused): fedma: cannot fuse resnet" in out

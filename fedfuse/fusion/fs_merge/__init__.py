@@ -40,7 +40,7 @@ from fedfuse.fusion.fs_merge.spaces import (
     map_axis,
     probe_rows,
 )
-from fedfuse.fusion.fs_merge.supernet import FoldableSuperNet
+from fedfuse.fusion.fs_merge.supernet import FoldableSuperNet, StackedLevel
 from fedfuse.fusion.fs_merge.training import (
     COSINE_WARMUP_EPOCHS,
     OBJECTIVES,
@@ -49,6 +49,7 @@ from fedfuse.fusion.fs_merge.training import (
     FSMergeSchedule,
     optimise,
     paper_schedule,
+    recipe_schedule,
     train_levels,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "FitOptions",
     "FoldableMatrix",
     "FoldableSuperNet",
+    "StackedLevel",
     "Site",
     "SpaceSuperNet",
     "check_supported",
@@ -77,6 +79,7 @@ __all__ = [
     "on_channels",
     "optimise",
     "paper_schedule",
+    "recipe_schedule",
     "probe_rows",
     "train_levels",
     "zipit_assignment",

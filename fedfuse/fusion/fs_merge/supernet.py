@@ -23,8 +23,10 @@ model's next affine level consumes:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion.fs_merge.matrices import FoldableMatrix, on_channels
@@ -49,19 +51,94 @@ class FoldableSuperNet(nn.Module):
         merged = self.between[position](on_channels(self.merges[position], z))
         return on_channels(self.unmerges[position], merged)
 
-    def chain(
-        self, first_z: torch.Tensor, base_levels: Sequence[Sequence[nn.Module]]
-    ) -> torch.Tensor:
+    def chain(self, first_z: torch.Tensor, base_levels: Sequence[nn.Module]) -> torch.Tensor:
         """The global SuperNet (Eq. 4) from the concatenated first-level pre-activations.
 
-        ``base_levels[p][k]`` is model ``k``'s (frozen) neuron level ``p + 1``.
+        ``base_levels[p]`` runs the ``K`` models' (frozen) neuron level ``p + 1`` on the
+        concatenated reconstructions (:class:`StackedLevel`).
         """
         reconstruction = self.level(0, first_z)
         for position in range(1, len(self.merges)):
-            parts = reconstruction.split(self.unmerges[position - 1].width, dim=1)
-            z = torch.cat(
-                [layer(part) for layer, part in zip(base_levels[position - 1], parts, strict=True)],
-                1,
-            )
-            reconstruction = self.level(position, z)
+            reconstruction = self.level(position, base_levels[position - 1](reconstruction))
         return reconstruction
+
+
+def _stacked_affine(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """The kind (``"conv"``, ``"linear"``, ``"flatten-linear"``) of an affine level that
+    :class:`StackedLevel` runs for all models in one call, and its affine layer."""
+    if isinstance(layer, nn.Conv2d) and layer.padding_mode == "zeros":
+        return "conv", layer
+    if isinstance(layer, nn.Linear):
+        return "linear", layer
+    if (
+        isinstance(layer, nn.Sequential)
+        and len(layer) == 2
+        and isinstance(layer[0], nn.Flatten)
+        and layer[0].start_dim == 1
+        and layer[0].end_dim == -1
+        and isinstance(layer[1], nn.Linear)
+    ):
+        return "flatten-linear", layer[1]
+    return None
+
+
+def _stackable(levels: Sequence[nn.Module]) -> tuple[str, list[nn.Module]] | None:
+    """The common kind and the affine layers of ``levels`` when one call can run them all:
+    the same kind, weight shape, bias presence and (convolutions) geometry; else None."""
+    found = [_stacked_affine(level) for level in levels]
+    if any(f is None for f in found):
+        return None
+    kinds = {f[0] for f in found if f is not None}
+    layers = [f[1] for f in found if f is not None]
+    first = layers[0]
+
+    def geometry(layer: nn.Module) -> tuple[Any, ...]:
+        shape = (layer.weight.shape, layer.bias is None)
+        if not isinstance(layer, nn.Conv2d):
+            return shape
+        return (*shape, layer.stride, layer.padding, layer.dilation, layer.groups)
+
+    if len(kinds) != 1 or any(geometry(layer) != geometry(first) for layer in layers):
+        return None
+    return kinds.pop(), layers
+
+
+class StackedLevel(nn.Module):
+    """One neuron level of ``K`` frozen models, run on their concatenated inputs at once.
+
+    The input holds the ``K`` models' inputs side by side on dim 1 (``(N, K c, ...)``) and the
+    output their outputs the same way. Convolutions become one grouped convolution, linear
+    layers one batched product: a single kernel where a loop over models takes ``K`` (the
+    level's cost is most of an FS-Merge epoch on CNNs). Other levels run model by model.
+    """
+
+    def __init__(self, levels: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.count = len(levels)
+        self.levels = nn.ModuleList(levels)
+        stackable = _stackable(levels)
+        self.kind = "loop" if stackable is None else stackable[0]
+        if stackable is not None:
+            layers = stackable[1]
+            self.layer = layers[0]
+            self.register_buffer("weight", torch.stack([a.weight.detach() for a in layers]))
+            biases = [a.bias.detach() for a in layers if a.bias is not None]
+            self.register_buffer("bias", torch.stack(biases) if biases else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        count = self.count
+        if self.kind == "conv":
+            conv = self.layer
+            weight = self.weight.flatten(0, 1)
+            bias = None if self.bias is None else self.bias.flatten()
+            return F.conv2d(
+                x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups * count
+            )
+        if self.kind == "flatten-linear" or (self.kind == "linear" and x.dim() == 2):
+            rows = x.reshape(len(x), count, -1).transpose(0, 1)  # (K, N, in)
+            out = torch.bmm(rows, self.weight.transpose(1, 2))
+            if self.bias is not None:
+                out = out + self.bias[:, None, :]
+            return out.transpose(0, 1).reshape(len(x), -1)
+        parts = x.split(x.shape[1] // count, dim=1)
+        return torch.cat([level(part) for level, part in zip(self.levels, parts, strict=True)], 1)
