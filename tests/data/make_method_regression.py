@@ -96,6 +96,7 @@ def _cases() -> list[Case]:
         Case("hf-linear", {}, drop=("scores",)),
         Case("kf-linear", {"head_weights": True, "n_init": 2, "local_search_swaps": 2}, 3),
         Case("kf-linear", {}, models=3, widths=(10, 8)),
+        Case("kf-linear", {"head_weights": False}, models=3),
         Case("kf-linear", {"score_normalization": "none"}, models=3, drop=("scores",)),
         Case("hf-gradient", dict(GRADIENT)),
         Case("hf-gradient", {**GRADIENT, "head_weights": True, "use_scores": False}),

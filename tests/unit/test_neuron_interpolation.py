@@ -185,3 +185,58 @@ def test_reported_level_costs_follow_theorems_1_and_2(mlp, method):
             assert level["representation_cost"] == pytest.approx(
                 level["projected_grouping_error"] + level["unreachable_error"], rel=1e-6
             )
+
+
+def _skewed_sites(count: int = 3):
+    """``count`` small MLPs, each trained briefly on its own two classes of a 6-class task,
+    and a labelled fusion set over all classes with each site's class counts."""
+    spec = mlp_spec((1, 4, 4), 6, (8, 6))
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(6, 16, generator=g) * 2
+    labels = torch.arange(6).repeat(20)
+    data = (centres[labels] + torch.randn(len(labels), 16, generator=g)).view(-1, 1, 4, 4)
+    models, counts = [], []
+    for site in range(count):
+        mine = [(2 * site) % 6, (2 * site + 1) % 6]
+        rows = (labels == mine[0]) | (labels == mine[1])
+        model = build_model(spec, seed=site)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        for _ in range(60):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(data[rows]), labels[rows]).backward()
+            optimizer.step()
+        models.append(model.eval())
+        counts.append([int(((labels == c) & rows).sum()) for c in range(6)])
+    return models, FusionInputs(data=data, labels=labels, class_counts=counts)
+
+
+@pytest.mark.parametrize("name", ["kf-linear", "hf-linear"])
+def test_auto_head_keeps_the_target_of_lower_fusion_set_loss(name):
+    models, inputs = _skewed_sites()
+    auto = make_fusion_method(name, use_scores=False, device="cpu").fuse(models, inputs)
+    head = auto.details["levels"][-1]
+    losses = head["head_fusion_set_losses"]
+    assert set(losses) == {"uniform", "classes"}
+    assert head["head"] == min(losses, key=losses.get)
+    x = inputs.data
+    for target, flag in (("uniform", False), ("classes", True)):  # each loss is the real one
+        explicit = make_fusion_method(name, use_scores=False, head_weights=flag, device="cpu")
+        model = explicit.fuse(models, inputs).model
+        with torch.no_grad():
+            loss = torch.nn.functional.cross_entropy(model(x), inputs.labels).item()
+            if target == head["head"]:
+                assert torch.equal(auto.model(x), model(x))
+        assert loss == pytest.approx(losses[target], rel=1e-5)
+
+
+def test_auto_head_falls_back_to_what_the_inputs_allow():
+    models, inputs = _skewed_sites()
+    fuse = make_fusion_method("kf-linear", use_scores=False, device="cpu").fuse
+    no_labels = FusionInputs(data=inputs.data, class_counts=inputs.class_counts)
+    assert fuse(models, no_labels).details["levels"][-1]["head"] == "classes"
+    no_counts = FusionInputs(data=inputs.data, labels=inputs.labels)
+    assert fuse(models, no_counts).details["levels"][-1]["head"] == "uniform"
+    equal = FusionInputs(data=inputs.data, labels=inputs.labels, class_counts=[[5] * 6] * 3)
+    assert fuse(models, equal).details["levels"][-1]["head"] == "classes"  # one target
+    with pytest.raises(ValueError, match="head_weights"):
+        make_fusion_method("kf-linear", head_weights="yes")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
@@ -70,6 +71,22 @@ VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
 STARTS = ("base", "closed-form")
 
 
+@dataclass
+class _LevelFit:
+    """What fitting one fused level reads: its index and module, its input ``x`` on the
+    fusion set, the base models' outputs there (``widths`` neurons each), its width ``k``,
+    and the captures and level mappings of the base models."""
+
+    index: int
+    level: nn.Module
+    x: torch.Tensor
+    outputs: list[torch.Tensor]
+    widths: list[int]
+    k: int
+    captured: list[dict[int, Any]]
+    mappings: list[dict[int, int]]
+
+
 class NeuronInterpolation(FusionMethod):
     """Neuron-interpolation fusion with a choice of grouping and approximation.
 
@@ -85,7 +102,14 @@ class NeuronInterpolation(FusionMethod):
         score_normalization: per model and level, ``"sum"`` (each model counts equally),
             ``"max"`` or ``"none"``.
         fallback_scores: score method on the fusion set when no scores were given.
-        head_weights: weight each model's logit of class c by its share of class c's samples.
+        head_weights: the classifier's target, the models' logits of class c averaged with
+            weights: ``False`` uniform (the paper's); ``True`` each model's share of class c's
+            training samples (FedMA's class-count mix for its last layer), so that sites that
+            never saw a class do not vote on it; ``"auto"`` (default): the head is fitted to
+            both targets and the one whose fused model has the lower cross-entropy on the
+            labelled fusion set is kept (``details["head"]``). Without labels, the class
+            shares; without class counts, uniform. On label-skewed sites the uniform target is
+            a weak ensemble (see ``docs/results.md``, LeNet-5 at 5 Dirichlet(0.1) sites).
         ridge: Linear: ridge penalty relative to the mean eigenvalue of the level's Gram matrix.
             0 fits exactly, a number is used on every level; None (auto) chooses it per level
             from the fusion set over :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID`: by
@@ -140,7 +164,7 @@ class NeuronInterpolation(FusionMethod):
         use_scores: bool = True,
         score_normalization: str = "sum",
         fallback_scores: str = "uniform",
-        head_weights: bool = False,
+        head_weights: bool | str = "auto",
         ridge: float | None = None,
         rcond: float = 1e-10,
         fit_bias: bool | str = "auto",
@@ -175,6 +199,10 @@ class NeuronInterpolation(FusionMethod):
             raise ValueError(f"preset must be one of {sorted(GRADIENT_PRESETS)}, got {preset!r}")
         if fallback_scores not in SCORE_METHODS:
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
+        if not (isinstance(head_weights, bool) or head_weights == "auto"):
+            raise ValueError(
+                f"{self.name}: head_weights must be true, false or 'auto', got {head_weights!r}"
+            )
         if (ridge is not None and ridge < 0) or rcond <= 0:
             raise ValueError(f"ridge must be >= 0 and rcond > 0, got {ridge} and {rcond}")
         self.grouping = grouping
@@ -229,10 +257,12 @@ class NeuronInterpolation(FusionMethod):
                     fit_intercept(view.layer, self.fit_bias, where=where)
 
     def requirements(self) -> frozenset[str]:
-        return self.requires | ({"class_counts"} if self.head_weights else set())
+        return self.requires | ({"class_counts"} if self.head_weights is True else set())
 
     def needs(self) -> frozenset[str]:
         needed = set(self.requirements())
+        if self.head_weights == "auto":
+            needed |= {"class_counts", "labels"}  # optional: the fallbacks
         if self.use_scores:
             needed.add("scores")
             if self.fallback_scores != "uniform":
@@ -283,6 +313,145 @@ class NeuronInterpolation(FusionMethod):
         instance's grouping."""
         return residual_labels(x, outputs, weights, widths, k, self._group)
 
+    # ------------------------------------------------------------------ one level's fit
+    def _head_candidates(
+        self, inputs: FusionInputs, count: int, classes: int
+    ) -> dict[str, torch.Tensor]:
+        """The classifier targets' model weights ``(models, classes)`` to fit, by name
+        (``"uniform"``, ``"classes"``): one, or both for ``head_weights="auto"`` when the
+        class counts and the labelled fusion set are given and the two differ."""
+        uniform = resolve_head_weights(self.name, None, count, classes)
+        if self.head_weights is False or inputs.class_counts is None:
+            if self.head_weights is True:  # requirements() made fuse() refuse this already
+                raise ValueError(f"{self.name}: head_weights=true needs class_counts")
+            return {"uniform": uniform}
+        shares = resolve_head_weights(self.name, inputs.class_counts, count, classes)
+        if self.head_weights is True or inputs.labels is None or torch.equal(shares, uniform):
+            return {"classes": shares}
+        return {"uniform": uniform, "classes": shares}
+
+    def _fit_level(
+        self,
+        fit: _LevelFit,
+        models: list[LeveledModel],
+        weights: torch.Tensor,
+        labels: torch.Tensor | None,
+        *,
+        is_head: bool,
+    ) -> dict[str, Any]:
+        """Fit ``fit.level`` in place: closed form (Linear, or the Gradient variant's start),
+        then gradient steps for the Gradient variant. Returns the level's details."""
+        level, x, outputs, widths, k = fit.level, fit.x, fit.outputs, fit.widths, fit.k
+        index, captured, mappings = fit.index, fit.captured, fit.mappings
+        closed_form = self.approximation == "linear" or (
+            self.start == "closed-form"
+            and (is_block_level(level) or affine_view(level) is not None)
+        )
+        info: dict[str, Any] = {}
+        if closed_form and is_block_level(level):
+            info = fit_block_linear(
+                level,
+                x,
+                [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)],
+                [c[index].inputs for c in captured],
+                weights,
+                k,
+                labels,
+                group=self._group,
+                batch_size=self.batch_size_capture,
+            )
+            info.update(
+                level_cost(level, x, outputs, info["labels"], weights, self.batch_size_capture)
+            )
+        elif closed_form:
+            info = fit_linear(
+                level,
+                x,
+                outputs,
+                weights,
+                widths,
+                k,
+                labels,
+                group=self._group,
+                ridge=self.ridge,
+                rcond=self.rcond,
+                gram_dtype=self.gram_dtype,
+                batch_size_capture=self.batch_size_capture,
+                name=self.name,
+                fit_bias=self.fit_bias,
+            )
+        if self.approximation == "gradient":
+            start = {key: info[key] for key in ("representation_cost",) if key in info}
+            info = fit_gradient(
+                level,
+                x,
+                outputs,
+                weights,
+                widths,
+                k,
+                info.get("labels", labels),
+                models[0].levels[mappings[0][index]],
+                is_head,
+                index,
+                settings=self.gradient_settings(),
+                group=self._group,
+                weighted_loss=self.weighted_loss,
+                seed=self.seed,
+                batch_size_capture=self.batch_size_capture,
+                started=closed_form,
+            )
+            if start:
+                info["closed_form_cost"] = start["representation_cost"]
+        return info
+
+    def _fit_head(
+        self,
+        fit: _LevelFit,
+        models: list[LeveledModel],
+        heads: dict[str, torch.Tensor],
+        fused: LeveledModel,
+        inputs: FusionInputs,
+        device: torch.device,
+    ) -> dict[str, Any]:
+        """Fit the classifier to each candidate target (:meth:`_head_candidates`); of several,
+        keep the one whose fused model has the lower fusion-set cross-entropy."""
+        classes = fit.k
+        labels = torch.arange(classes, device=device).repeat(len(models))
+        fitted: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        initial = {key: v.detach().clone() for key, v in fit.level.state_dict().items()}
+        for name, mix in heads.items():
+            fit.level.load_state_dict(initial)
+            weights = mix.reshape(-1).to(device)  # (model, class), model-major like labels
+            info = self._fit_level(fit, models, weights, labels, is_head=True)
+            state = {key: v.detach().clone() for key, v in fit.level.state_dict().items()}
+            fitted[name] = (info, state)
+        if len(fitted) == 1:
+            name, (info, _) = next(iter(fitted.items()))
+            info["head"] = name
+            return info
+        assert inputs.labels is not None
+        losses = {}
+        after = nn.Sequential(*fused.levels[fit.index + 1 :]).eval()
+        with torch.no_grad():
+            for name, (_, state) in fitted.items():
+                fit.level.load_state_dict(state)
+                logits = torch.cat(
+                    [after(fit.level(chunk)) for chunk in fit.x.split(self.batch_size_capture)]
+                )
+                target = inputs.labels.to(logits.device)
+                losses[name] = float(nn.functional.cross_entropy(logits.float(), target))
+        chosen = min(losses, key=losses.__getitem__)
+        info, state = fitted[chosen]
+        fit.level.load_state_dict(state)
+        info.update(head=chosen, head_fusion_set_losses=losses)
+        log.info(
+            "%s: classifier fitted to the %s target (fusion-set losses %s)",
+            self.name,
+            chosen,
+            losses,
+        )
+        return info
+
     # ------------------------------------------------------------------ the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
@@ -322,12 +491,7 @@ class NeuronInterpolation(FusionMethod):
             {level: model_scores[base_level] for level, base_level in mapping.items()}
             for model_scores, mapping in zip(scores, mappings, strict=True)
         ]
-        head = resolve_head_weights(
-            self.name,
-            inputs.class_counts if self.head_weights else None,
-            len(models),
-            models[0].spec.num_classes,
-        )
+        heads = self._head_candidates(inputs, len(models), models[0].spec.num_classes)
         details: dict[str, Any] = {
             "variant": f"{self.grouping}-{self.approximation}",
             "levels": [],
@@ -348,74 +512,16 @@ class NeuronInterpolation(FusionMethod):
             outputs = [c[index].outputs for c in captured]
             widths = [o.shape[1] for o in outputs]
             is_head = index == neuron_levels[-1]
+            k = fused.level_width(index)
+            fit = _LevelFit(index, level, x, outputs, widths, k, captured, mappings)
             if is_head:
-                weights = head.reshape(-1).to(device)  # (model, class), model-major like labels
-                labels = torch.arange(target.num_classes, device=device).repeat(len(models))
+                info = self._fit_head(fit, models, heads, fused, inputs, device)
             else:
                 weights = torch.cat([scores[m][index] for m in range(len(models))]).to(device)
                 labels = None
-            k = fused.level_width(index)
-            if labels is None and fused.is_residual(index):
-                labels = self._residual_labels(x, outputs, weights, widths, k)
-            closed_form = self.approximation == "linear" or (
-                self.start == "closed-form"
-                and (is_block_level(level) or affine_view(level) is not None)
-            )
-            info: dict[str, Any] = {}
-            if closed_form and is_block_level(level):
-                info = fit_block_linear(
-                    level,
-                    x,
-                    [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)],
-                    [c[index].inputs for c in captured],
-                    weights,
-                    k,
-                    labels,
-                    group=self._group,
-                    batch_size=self.batch_size_capture,
-                )
-                info.update(
-                    level_cost(level, x, outputs, info["labels"], weights, self.batch_size_capture)
-                )
-            elif closed_form:
-                info = fit_linear(
-                    level,
-                    x,
-                    outputs,
-                    weights,
-                    widths,
-                    k,
-                    labels,
-                    group=self._group,
-                    ridge=self.ridge,
-                    rcond=self.rcond,
-                    gram_dtype=self.gram_dtype,
-                    batch_size_capture=self.batch_size_capture,
-                    name=self.name,
-                    fit_bias=self.fit_bias,
-                )
-            if self.approximation == "gradient":
-                start = {key: info[key] for key in ("representation_cost",) if key in info}
-                info = fit_gradient(
-                    level,
-                    x,
-                    outputs,
-                    weights,
-                    widths,
-                    k,
-                    info.get("labels", labels),
-                    models[0].levels[mappings[0][index]],
-                    is_head,
-                    index,
-                    settings=self.gradient_settings(),
-                    group=self._group,
-                    weighted_loss=self.weighted_loss,
-                    seed=self.seed,
-                    batch_size_capture=self.batch_size_capture,
-                    started=closed_form,
-                )
-                if start:
-                    info["closed_form_cost"] = start["representation_cost"]
+                if fused.is_residual(index):
+                    labels = self._residual_labels(x, outputs, weights, widths, k)
+                info = self._fit_level(fit, models, weights, labels, is_head=False)
             info.pop("labels", None)
             for capture in captured:  # this level's base outputs are not needed again
                 del capture[index]
