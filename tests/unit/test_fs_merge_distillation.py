@@ -20,6 +20,7 @@ from fedfuse.fusion.fs_merge import (
     FSMerge,
     StackedLevel,
     correlation_matrix,
+    on_channels,
     zipit_assignment,
 )
 from fedfuse.models import LeveledModel, build_model, mlp_spec, vgg11_spec
@@ -280,3 +281,30 @@ def test_a_stacked_level_computes_each_models_level_on_its_slice(make, part_shap
     expected = torch.cat([level(p) for level, p in zip(levels, parts, strict=True)], 1)
     assert stacked.kind == kind
     assert torch.allclose(stacked(torch.cat(parts, 1)), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (lambda: torch.nn.Conv2d(2, 4, 3, padding=1), (2, 6, 6)),
+        (lambda: torch.nn.Linear(5, 4, bias=False), (5,)),
+        (lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4)), (3, 2, 2)),
+    ],
+)
+def test_a_merge_folded_into_the_first_level_equals_merging_its_outputs(make, shape) -> None:
+    """``M (W x + b)`` computed as one level on ``x`` equals the merge of the K outputs."""
+    torch.manual_seed(0)
+    levels = [make() for _ in range(3)]
+    g = torch.Generator().manual_seed(1)
+    merge = FoldableMatrix("merge", torch.arange(4).repeat(3), torch.rand(12, generator=g), 4, 2, g)
+    with torch.no_grad():
+        merge.right.add_(torch.randn(merge.right.shape, generator=g))
+    x = torch.randn(5, *shape)
+    stacked = StackedLevel(levels)
+    assert stacked.folds_a_merge
+    expected = on_channels(merge, torch.cat([level(x) for level in levels], 1))
+    assert torch.allclose(stacked.merged(merge, x), expected, atol=1e-5)
+    grouped = StackedLevel([torch.nn.Conv2d(2, 4, 1, groups=2) for _ in range(3)])
+    assert not grouped.folds_a_merge
+    with pytest.raises(ValueError, match="cannot fold"):
+        grouped.merged(merge, torch.randn(1, 2, 3, 3))

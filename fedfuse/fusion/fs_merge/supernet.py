@@ -48,16 +48,29 @@ class FoldableSuperNet(nn.Module):
 
     def level(self, position: int, z: torch.Tensor) -> torch.Tensor:
         """``U_l sigma(M_l z)`` of hidden level ``position`` (the local SuperNet, Eq. 2)."""
-        merged = self.between[position](on_channels(self.merges[position], z))
-        return on_channels(self.unmerges[position], merged)
+        return self.after_merge(position, on_channels(self.merges[position], z))
 
-    def chain(self, first_z: torch.Tensor, base_levels: Sequence[nn.Module]) -> torch.Tensor:
-        """The global SuperNet (Eq. 4) from the concatenated first-level pre-activations.
+    def after_merge(self, position: int, merged: torch.Tensor) -> torch.Tensor:
+        """``U_l sigma(m)`` of hidden level ``position`` from its merged pre-activations."""
+        return on_channels(self.unmerges[position], self.between[position](merged))
+
+    def chain(
+        self,
+        first_z: torch.Tensor,
+        base_levels: Sequence[nn.Module],
+        first_level: StackedLevel | None = None,
+    ) -> torch.Tensor:
+        """The global SuperNet (Eq. 4) from the concatenated first-level pre-activations, or,
+        with ``first_level`` (the models' first level, :attr:`StackedLevel.folds_a_merge`),
+        from the models' shared input ``first_z``.
 
         ``base_levels[p]`` runs the ``K`` models' (frozen) neuron level ``p + 1`` on the
         concatenated reconstructions (:class:`StackedLevel`).
         """
-        reconstruction = self.level(0, first_z)
+        if first_level is None:
+            reconstruction = self.level(0, first_z)
+        else:
+            reconstruction = self.after_merge(0, first_level.merged(self.merges[0], first_z))
         for position in range(1, len(self.merges)):
             reconstruction = self.level(position, base_levels[position - 1](reconstruction))
         return reconstruction
@@ -124,6 +137,33 @@ class StackedLevel(nn.Module):
             self.register_buffer("weight", torch.stack([a.weight.detach() for a in layers]))
             biases = [a.bias.detach() for a in layers if a.bias is not None]
             self.register_buffer("bias", torch.stack(biases) if biases else None)
+
+    @property
+    def folds_a_merge(self) -> bool:
+        """Whether :meth:`merged` can fold a merge matrix into this level (convolutions
+        without groups, linear layers)."""
+        if self.kind == "conv":
+            return self.layer.groups == 1
+        return self.kind in ("linear", "flatten-linear")
+
+    def merged(self, matrix: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``matrix`` (a merge, ``d x K c``) on the channels of the ``K`` models' outputs of
+        this level, all computed from the one input ``x`` they share (the first level).
+
+        ``M (W x + b) = (M W) x + M b``: one level with ``d`` output channels on ``x``, in place
+        of ``K`` levels and a merge on their ``K``-fold output (for a CNN's first level, a 1x1
+        convolution over the largest feature maps of the network).
+        """
+        if not self.folds_a_merge:
+            raise ValueError(f"a {self.kind} level cannot fold a merge matrix")
+        dense = matrix.dense()  # type: ignore[operator]
+        weight = self.weight.flatten(0, 1)  # (K c, ...)
+        folded = (dense @ weight.flatten(1)).view(len(dense), *weight.shape[1:])
+        bias = None if self.bias is None else dense @ self.bias.flatten()
+        if self.kind == "conv":
+            conv = self.layer
+            return F.conv2d(x, folded, bias, conv.stride, conv.padding, conv.dilation)
+        return F.linear(x.flatten(1) if self.kind == "flatten-linear" else x, folded, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         count = self.count

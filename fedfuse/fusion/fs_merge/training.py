@@ -346,8 +346,13 @@ def train_levels(
             del features
         net = FoldableSuperNet(merges, unmerges, between)
         last = neuron_levels[-1] - 1
-        captured = capture_outputs(frozen, data, [hidden[0], last], device, batch_size_capture)
-        first_z = torch.cat([c[hidden[0]] for c in captured], 1)
+        stacked_first = StackedLevel([m.levels[hidden[0]] for m in frozen])
+        first_level = stacked_first if hidden[0] == 0 and stacked_first.folds_a_merge else None
+        captured = capture_outputs(
+            frozen, data, [last] if first_level else [hidden[0], last], device, batch_size_capture
+        )
+        # the first merge folded into the models' first level runs on the inputs themselves
+        first_z = data.to(device) if first_level else torch.cat([c[hidden[0]] for c in captured], 1)
         targets = torch.cat([c[last] for c in captured], 1)
         del captured
         base_levels = [StackedLevel([m.levels[i] for m in frozen]) for i in hidden[1:]]
@@ -355,7 +360,7 @@ def train_levels(
         tic = time.perf_counter()
         info = optimise(
             net,
-            lambda idx: net.chain(take_rows(first_z, idx), base_levels),
+            lambda idx: net.chain(take_rows(first_z, idx), base_levels, first_level),
             targets,
             count,
             split,
