@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import NoReturn
 
-from fedfuse.cli import deploy, fuse, methods, predict, run_app, simulate, status
+from fedfuse.cli import deploy, doctor, fuse, methods, predict, run_app, simulate, status
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     deploy.register_cli(commands)
     status.register_cli(commands)
     predict.register_cli(commands)
+    doctor.register_cli(commands)
     for name, text in HYDRA_COMMANDS.items():  # parsed by Hydra, see main()
         commands.add_parser(name, help=text, add_help=False)
     commands.add_parser(

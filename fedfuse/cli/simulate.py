@@ -7,6 +7,7 @@ stops the local SuperLink it started, and exits non-zero when the run or a metho
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -14,12 +15,22 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from fedfuse.federation.flower_state import (
+    StateDatabaseError,
+    failure_reason,
+    inspect_state_db,
+    local_superlink_dir,
+    read_from,
+    simulation_flwr_home,
+    superlink_startup_error,
+)
 from fedfuse.federation.simulation import flower_environment, stop_process_tree, superlink_pids
 from fedfuse.settings.bounds import Range
 
@@ -27,6 +38,20 @@ log = logging.getLogger(__name__)
 
 #: a duration on the command line (``--timeout``): positive seconds, at most about 4 months
 SECONDS = Range(0, 10**7, integer=False, open_low=True)
+
+
+def _tee(stream, sink, tail: collections.deque) -> threading.Thread:
+    """Copy ``stream``'s lines to ``sink`` as they come, keeping the last ones in ``tail``."""
+
+    def copy() -> None:
+        for line in stream:
+            tail.append(line)
+            sink.write(line)
+            sink.flush()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    return thread
 
 
 def _find_app(app: str | None) -> Path:
@@ -199,6 +224,14 @@ def simulate(args: argparse.Namespace) -> int:
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
     env, flwr = flower_environment()  # only once the run config is known to be good
+    flwr_home, _ = simulation_flwr_home()
+    env["FLWR_HOME"] = str(flwr_home)  # Flower's local SuperLink keeps its state.db there
+    superlink_dir = local_superlink_dir(flwr_home)
+    _, problem = inspect_state_db(superlink_dir / "state.db")
+    if problem:
+        raise StateDatabaseError(problem)
+    superlink_log = superlink_dir / "superlink.log"
+    log_offset = superlink_log.stat().st_size if superlink_log.is_file() else 0
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
     running_before = set(superlink_pids(control_port))
     started = datetime.now(UTC)
@@ -220,7 +253,11 @@ def simulate(args: argparse.Namespace) -> int:
     results = output_dir / "latest" / "results.json"
     # a SIGTERM (a scheduler, a benchmark's timeout) still stops the SuperLink below
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    process = subprocess.Popen(command, env=env)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    output: collections.deque[str] = collections.deque(maxlen=500)
+    copying = _tee(process.stdout, sys.stdout, output)
     try:
         returncode = _wait_for_run(process, results, started, args.timeout, args.grace)
     finally:
@@ -228,12 +265,20 @@ def simulate(args: argparse.Namespace) -> int:
             stop_process_tree([process.pid])
         if not args.keep_superlink:
             stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
+        copying.join(timeout=5)
 
     if not results.is_file():
         print(
             f"fedfuse simulate: FAILED: no result file at {results} (flwr exit {returncode})",
             file=sys.stderr,
         )
+        reasons = failure_reason("".join(output) + "\n" + read_from(superlink_log, log_offset))
+        if any("Failed to start local SuperLink" in reason for reason in reasons[-1:]):
+            reasons = reasons[-1:] + superlink_startup_error(env, superlink_dir / "state.db")
+        for reason in reasons[-4:]:
+            print(f"  Flower: {reason}", file=sys.stderr)
+        if not reasons:
+            print(f"  Flower logged no reason; see {superlink_log}", file=sys.stderr)
         return 1
     report = json.loads(results.read_text())
     if datetime.fromisoformat(report.get("started_at", "1970-01-01T00:00:00+00:00")) < started:

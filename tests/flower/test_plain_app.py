@@ -75,7 +75,7 @@ def test_client_extras_travel_and_feed_the_methods(tmp_path):
         "regmean,kf-linear", model_fn=TemplateNet, fusion_set=fusion, client_extras=True
     )
     messages = _train_messages(strategy)
-    assert requested_extras(messages[0]) == ["scores", "grams"]
+    assert requested_extras(messages[0]) == ["scores", "class-counts", "grams"]
     replies = []
     for net, (x, y), msg in zip(nets, site_data, messages, strict=True):
         content = _template_content(net, len(y))

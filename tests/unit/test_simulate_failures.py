@@ -1,0 +1,141 @@
+"""``fedfuse simulate`` and Flower's state (issue 21): its own FLWR_HOME per flwr version unless
+FLWR_HOME is set, a foreign state.db refused in one line before Flower starts, and a Flower
+failure's cause in at most 5 lines."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedfuse.cli.main import main
+from fedfuse.federation.flower_state import failure_reason, flwr_version, simulation_flwr_home
+from tests.helpers import flower_test_env
+from tests.unit.test_doctor import state_db
+
+# what `flwr run` printed when its local SuperLink could not start (Flower 1.41, 80 columns)
+FLWR_RUN_OUTPUT = """
+Flower configuration not found. Created default configuration at /tmp/h/config.toml
+
+Starting local SuperLink on 127.0.0.1:39091...
+╭─ Error ───────────────╮
+│ Failed to start local SuperLink: `flower-superlink` exited with code 1. See  │
+│ logs at /tmp/h/local-superlink/superlink.log.                               │
+╰────────────────────╯
+"""
+# the end of what `flower-superlink` printed on that state.db (its log file held no reason)
+SUPERLINK_OUTPUT = """\
+WARNING flwr 2026-11-26 02:07:20,901 | flower_superlink.py:402 | SuperNode authentication is \
+disabled. The SuperLink will accept connections from any SuperNode.
+INFO flwr 2026-11-26 02:07:20,901 | flower_superlink.py:472 | Starting Flower SuperLink
+Traceback (most recent call last):
+  File "/venv/.../alembic/script/base.py", line 239, in _catch_revision_errors
+    raise util.CommandError(resolution) from re
+alembic.util.exc.CommandError: Can't locate revision identified by 'd9bd9d502cf9'
+"""
+# what `flower-superlink` printed on a pre-Alembic state.db of another schema (Flower 1.41)
+EXIT_CODE_OUTPUT = """\
+\x1b[92mINFO \x1b[0m:      Starting Flower SuperLink
+\x1b[91mERROR \x1b[0m:     Exit Code: 105
+Detected a pre-Alembic Flower state database, but its schema does not match the baseline \
+migration (revision 8e65d8ae60b0).
+The database schema does not match the expected schema for this version of SuperLink.
+
+For more information, visit: <https://flower.ai/docs/framework/1.41/en/ref-exit-codes/105.html>
+"""
+# a SuperLink log where the ServerApp process failed
+SUPERLINK_LOG = """\
+INFO flwr 2026-11-26 02:10:01,100 | flower_superlink.py:472 | Starting Flower SuperLink
+INFO flwr 2026-11-26 02:10:02,200 | run_simulation.py:88 | Starting simulation
+ERROR flwr 2026-11-26 02:10:09,300 | exec_api.py:120 | ServerApp process exited with code 1
+WARNING flwr 2026-11-26 02:10:09,301 | linkstate.py:501 | Run 123 has no result
+ERROR flwr 2026-11-26 02:10:09,302 | exec_api.py:120 | ServerApp process exited with code 1
+CRITICAL flwr 2026-11-26 02:10:09,400 | ray_backend.py:77 | Ray could not start: out of memory
+"""
+
+
+def test_flowers_boxed_error_is_one_line():
+    assert failure_reason(FLWR_RUN_OUTPUT) == [
+        "Error: Failed to start local SuperLink: `flower-superlink` exited with code 1. See "
+        "logs at /tmp/h/local-superlink/superlink.log."
+    ]
+
+
+def test_a_traceback_gives_its_last_line():
+    assert failure_reason(SUPERLINK_OUTPUT) == [
+        "alembic.util.exc.CommandError: Can't locate revision identified by 'd9bd9d502cf9'"
+    ]
+
+
+def test_an_exit_code_gives_the_line_that_explains_it():
+    assert failure_reason(EXIT_CODE_OUTPUT) == [
+        "Exit Code: 105: Detected a pre-Alembic Flower state database, but its schema does not "
+        "match the baseline migration (revision 8e65d8ae60b0)."
+    ]
+
+
+def test_a_log_gives_its_errors_messages_once_and_at_most_limit():
+    assert failure_reason(SUPERLINK_LOG) == [
+        "ServerApp process exited with code 1",
+        "Ray could not start: out of memory",
+    ]
+    assert failure_reason(SUPERLINK_LOG * 3 + FLWR_RUN_OUTPUT, limit=5)[-1].startswith(
+        "Error: Failed to start local SuperLink"
+    )
+    assert len(failure_reason("\n".join(f"ERROR : failure {i}" for i in range(20)))) == 5
+    assert failure_reason("INFO : all good\nWARNING : slow\n") == []
+
+
+def test_flwr_home_is_fedfuses_own_per_flwr_version_unless_set(tmp_path):
+    home, chosen = simulation_flwr_home({"XDG_STATE_HOME": str(tmp_path)})
+    assert (home, chosen) == (tmp_path / "fedfuse" / f"flwr-{flwr_version()}", False)
+    home, chosen = simulation_flwr_home({"FLWR_HOME": str(tmp_path / "mine")})
+    assert (home, chosen) == (tmp_path / "mine", True)
+    assert simulation_flwr_home({})[0] == (
+        Path.home() / ".local" / "state" / "fedfuse" / f"flwr-{flwr_version()}"
+    )
+
+
+@pytest.mark.parametrize("where", ["FLWR_HOME", "XDG_STATE_HOME"])
+def test_a_foreign_state_db_stops_simulate_in_one_line_before_flower_starts(
+    where, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("FLWR_HOME", raising=False)
+    monkeypatch.setenv(where, str(tmp_path / "state"))
+    home = simulation_flwr_home()[0]
+    path = state_db(home, "d9bd9d502cf9")
+    code = main(["simulate", "--output-dir", str(tmp_path / "out")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("fedfuse simulate: error: ")
+    assert str(path) in err[0] and "'d9bd9d502cf9'" in err[0]
+    assert f"flwr {flwr_version()}" in err[0]
+    assert not (home / "local-superlink" / "superlink.log").exists()  # no SuperLink started
+    assert not (home / "config.toml").exists()  # nor `flwr run`
+
+
+@pytest.mark.e2e
+def test_when_the_superlink_cannot_start_simulate_prints_flowers_reason(tmp_path):
+    """A real Flower failure: a pre-Alembic state.db of another schema passes fedfuse's check,
+    Flower's local SuperLink refuses it, and simulate prints why in at most 5 lines."""
+    env, _ = flower_test_env(tmp_path)
+    database = Path(env["FLWR_HOME"]) / "local-superlink" / "state.db"
+    database.parent.mkdir(parents=True)
+    with sqlite3.connect(database) as db:
+        db.execute("CREATE TABLE run (x INTEGER)")
+    command = [sys.executable, "-m", "fedfuse.cli.main", "simulate"]
+    completed = subprocess.run(
+        [*command, "--output-dir", str(tmp_path / "out"), "--timeout", "120"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    err = [line for line in completed.stderr.splitlines() if "fedfuse.cli" not in line]
+    assert completed.returncode == 1 and 2 <= len(err) <= 5, completed.stderr
+    assert err[0].startswith("fedfuse simulate: FAILED: no result file")
+    assert "Failed to start local SuperLink" in completed.stderr
+    assert "Exit Code: 105: Detected a pre-Alembic Flower state database" in completed.stderr
