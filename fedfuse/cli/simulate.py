@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.federation.flower_state import (
-    StateDatabaseError,
     failure_reason,
-    inspect_state_db,
     local_superlink_dir,
     read_from,
-    simulation_flwr_home,
+    stop_process_tree,
+    superlink_pids,
     superlink_startup_error,
 )
-from fedfuse.federation.simulation import flower_environment, stop_process_tree, superlink_pids
+from fedfuse.federation.simulation import flower_environment
 from fedfuse.settings.bounds import Range
 
 log = logging.getLogger(__name__)
@@ -223,13 +222,9 @@ def simulate(args: argparse.Namespace) -> int:
     output_dir = Path(config["output-dir"])
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
-    env, flwr = flower_environment()  # only once the run config is known to be good
-    flwr_home, _ = simulation_flwr_home()
-    env["FLWR_HOME"] = str(flwr_home)  # Flower's local SuperLink keeps its state.db there
-    superlink_dir = local_superlink_dir(flwr_home)
-    _, problem = inspect_state_db(superlink_dir / "state.db")
-    if problem:
-        raise StateDatabaseError(problem)
+    # only once the run config is known to be good; its FLWR_HOME holds the local SuperLink
+    env, flwr = flower_environment()
+    superlink_dir = local_superlink_dir(Path(env["FLWR_HOME"]))
     superlink_log = superlink_dir / "superlink.log"
     log_offset = superlink_log.stat().st_size if superlink_log.is_file() else 0
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")

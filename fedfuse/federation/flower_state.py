@@ -4,12 +4,14 @@
   flwr version unless the user set ``FLWR_HOME``, so that no other tool or Flower version
   migrates the ``state.db`` under it; and a check of a ``state.db``'s alembic revision against
   the installed flwr's migrations (a database another Flower version wrote is named in one line).
+* Flower's local processes: the SuperLinks serving a control port, and stopping a process tree.
 * Why Flower failed: the reason lines of its output and logs, and of a SuperLink started by hand
   when Flower's own start discards them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -20,7 +22,41 @@ from collections.abc import Iterable
 from contextlib import closing
 from pathlib import Path
 
-from fedfuse.federation.simulation import stop_process_tree
+
+# ------------------------------------------------------------- Flower's processes
+def superlink_pids(control_port: str) -> list[int]:
+    """PIDs of local ``flower-superlink`` processes serving ``control_port``."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        joined = b" ".join(argv)
+        if b"flower-superlink" in joined and f"127.0.0.1:{control_port}".encode() in joined:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_process_tree(pids: list[int]) -> None:
+    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
+    its Ray workers as descendants); kill what is left after 10 s."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            processes += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 # ------------------------------------------------------------- Flower's home and state database

@@ -9,7 +9,6 @@ the SuperLink (``flwr list``) instead.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -20,6 +19,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from fedfuse.federation.flower_state import (
+    StateDatabaseError,
+    inspect_state_db,
+    local_superlink_dir,
+    simulation_flwr_home,
+    stop_process_tree,
+    superlink_pids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,51 +42,23 @@ DEFAULT_CONTROL_PORT = "39093"
 
 
 def flower_environment() -> tuple[dict[str, str], str]:
-    """The environment for Flower's commands (:data:`FLOWER_ENV` unless set, and this
-    interpreter's scripts first on PATH: Flower starts ``flower-superlink`` by name) and the
-    path of ``flwr``; SystemExit when Flower is not installed."""
+    """The environment for Flower's commands (:data:`FLOWER_ENV` unless set, this
+    interpreter's scripts first on PATH: Flower starts ``flower-superlink`` by name, and the
+    ``FLWR_HOME`` of :func:`~fedfuse.federation.flower_state.simulation_flwr_home`) and the path
+    of ``flwr``; SystemExit when Flower is not installed, StateDatabaseError when the local
+    SuperLink's state.db there was written by another Flower version."""
     scripts = str(Path(sys.executable).parent)
     path = os.pathsep.join([scripts, os.environ.get("PATH", "")])
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in FLOWER_ENV.items()}, "PATH": path}
     flwr = shutil.which("flwr", path=path)
     if flwr is None:
         raise SystemExit("the `flwr` command is not installed (pip install flwr)")
+    flwr_home, _ = simulation_flwr_home()
+    env["FLWR_HOME"] = str(flwr_home)  # the local SuperLink keeps its state.db there
+    _, problem = inspect_state_db(local_superlink_dir(flwr_home) / "state.db")
+    if problem:
+        raise StateDatabaseError(problem)
     return env, flwr
-
-
-def superlink_pids(control_port: str) -> list[int]:
-    """PIDs of local ``flower-superlink`` processes serving ``control_port``."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        joined = b" ".join(argv)
-        if b"flower-superlink" in joined and f"127.0.0.1:{control_port}".encode() in joined:
-            pids.append(int(proc.name))
-    return pids
-
-
-def stop_process_tree(pids: list[int]) -> None:
-    """Terminate ``pids`` and every process they started (the SuperLink runs the simulation and
-    its Ray workers as descendants); kill what is left after 10 s."""
-    import psutil
-
-    processes = []
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            processes += [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.terminate()
-    _, alive = psutil.wait_procs(processes, timeout=10)
-    for process in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
 
 
 def simulate_command(

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from fedfuse.data import load_dataset
-from fedfuse.federation.simulation import superlink_pids
+from fedfuse.federation.flower_state import superlink_pids
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.training.loop import evaluate
 from tests.helpers import flower_test_env

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfuse.federation.simulation import superlink_pids
+from fedfuse.federation.flower_state import superlink_pids
 from tests.helpers import flower_test_env
 
 pytestmark = pytest.mark.e2e

@@ -139,3 +139,18 @@ def test_when_the_superlink_cannot_start_simulate_prints_flowers_reason(tmp_path
     assert err[0].startswith("fedfuse simulate: FAILED: no result file")
     assert "Failed to start local SuperLink" in completed.stderr
     assert "Exit Code: 105: Detected a pre-Alembic Flower state database" in completed.stderr
+
+
+def test_every_flower_command_of_fedfuse_gets_the_checked_home(tmp_path, monkeypatch):
+    """``flower_environment`` (simulate, run-app) sets FLWR_HOME and refuses a foreign state.db."""
+    from fedfuse.federation.flower_state import StateDatabaseError
+    from fedfuse.federation.simulation import flower_environment
+
+    monkeypatch.delenv("FLWR_HOME", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    env, _ = flower_environment()
+    assert env["FLWR_HOME"] == str(tmp_path / "state" / "fedfuse" / f"flwr-{flwr_version()}")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "mine"))
+    state_db(tmp_path / "mine", "d9bd9d502cf9")
+    with pytest.raises(StateDatabaseError, match="written by another Flower version"):
+        flower_environment()
