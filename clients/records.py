@@ -151,6 +151,7 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
                     "partition-id": upload.partition_id,
                     "num-partitions": upload.num_partitions,
                     "site-name": upload.site_name,
+                    "ray-node": upload.ray_node,
                     "class-counts": [int(c) for c in upload.class_counts],
                     "model-spec": json.dumps(upload.model.spec.to_dict()),
                     "score-method": upload.score_method,

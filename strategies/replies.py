@@ -144,6 +144,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
         seconds=_seconds(metrics),
         site_name=sender_name(msg),
+        ray_node=_PRINTABLE.sub("?", str(site.get("ray-node", "")))[:64],
     )
 
 

@@ -46,6 +46,7 @@ class SiteRoster:
                 "node_id": node_of.get(entry.partition_id),
                 "status": "uploaded",
                 "num_examples": entry.num_examples,
+                **({"ray_node": entry.facts["ray_node"]} if entry.facts.get("ray_node") else {}),
             }
             for entry in uploaded
         ]

@@ -105,6 +105,33 @@ def datasets(report: Report) -> None:
             )
         report.add(name, str(found) if found else "not found", problem)
     report.add("digits", "bundled with scikit-learn")
+    medmnist(report, root)
+    from fedfuse.data.partition_cache import cache_root
+
+    report.add("partition cache", f"{cache_root()} ($FEDFUSE_CACHE; every site's split)")
+
+
+def medmnist(report: Report, root: Path) -> None:
+    """Where each 2D MedMNIST set would be read from (``<root>/medmnist/<flag>.npz``, then
+    medmnist's own ``~/.medmnist``), on one line: the found ones by path, how many are not."""
+    from fedfuse.data.medmnist import medmnist_flags
+
+    flags = medmnist_flags()
+    if not flags:
+        report.add("medmnist", "the medmnist package is not installed (its sets are unavailable)")
+        return
+    places = (root / "medmnist", Path.home() / ".medmnist")
+    found = {
+        flag: next(str(p / f"{flag}.npz") for p in places if (p / f"{flag}.npz").is_file())
+        for flag in flags
+        if any((p / f"{flag}.npz").is_file() for p in places)
+    }
+    where = " or ".join(str(p / "<flag>.npz") for p in places)
+    listed = ", ".join(f"{flag}: {path}" for flag, path in found.items())
+    report.add(
+        "medmnist",
+        f"{len(found)} of {len(flags)} sets found ({listed or 'none'}); read from {where}",
+    )
 
 
 def flower_state(report: Report) -> None:
@@ -153,12 +180,14 @@ def ray_status(report: Report) -> None:
     except OSError:
         recorded = ""
     if recorded and _reachable(recorded):
-        report.add("ray", f"{version}; a cluster is running at {recorded}")
+        report.add(
+            "ray",
+            f"{version}; a cluster is running at {recorded} (fedfuse simulate runs on it with "
+            f"--ray-address {recorded}; without, it starts its own)",
+        )
     else:
         stale = f" (the recorded one at {recorded} is gone)" if recorded else ""
-        report.add(
-            "ray", f"{version}; no cluster running{stale}: Flower's simulation starts its own"
-        )
+        report.add("ray", f"{version}; no cluster running{stale}: fedfuse simulate starts its own")
 
 
 def doctor(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ def run_app(args: argparse.Namespace) -> int:
         run_config=args.run_config,
         cpus_per_client=args.cpus_per_client,
         timeout=args.timeout,
+        ray_address=args.ray_address,
     )
     if run.ok:
         print(f"fedfuse run-app: run {run.run_id} completed", file=sys.stderr)
@@ -50,4 +51,9 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--cpus-per-client", type=int, default=1)
     parser.add_argument("--run-config", default="", help='flwr run\'s "key=value ..." overrides')
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster's head host:port (default: $RAY_ADDRESS; neither: a local Ray)",
+    )
     parser.set_defaults(handler=run_app)

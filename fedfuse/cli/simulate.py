@@ -30,6 +30,7 @@ from fedfuse.federation.flower_state import (
     superlink_pids,
     superlink_startup_error,
 )
+from fedfuse.federation.ray_cluster import ray_environment, requested_address
 from fedfuse.federation.simulation import flower_environment
 from fedfuse.settings.bounds import Range
 
@@ -81,19 +82,22 @@ def simulation_run_config(
     num_clients: int,
     cpus_per_client: int = 1,
     app_keys: Iterable[str] | None = None,
+    workers: int | None = None,
 ) -> dict[str, Any]:
     """The run config overrides of a simulation: the user's, plus the output directory
     (``output_dir``, else the run config's ``output-dir``, else ``outputs``; both given and
     different is a ValueError) and, unless given, ``min-nodes`` (wait for every simulated
-    site) and ``max-in-flight`` (four train messages per Ray worker at a time), each only where
-    the app declares that key."""
+    site) and ``max-in-flight`` (four train messages per Ray worker at a time; ``workers``
+    sites run at once, by default as many as this machine's cores hold), each only where the
+    app declares that key."""
     from flwr.common.config import parse_config_args
 
     config = parse_config_args([overrides]) if overrides.strip() else {}
     keys = None if app_keys is None else set(app_keys)
     # a few messages per Ray worker at a time: Flower's simulation engine rescans every waiting
     # message for every node ten times a second, which at 1000 sites starves the workers
-    workers = max(1, (os.cpu_count() or 1) // max(cpus_per_client, 1))
+    if workers is None:
+        workers = max(1, (os.cpu_count() or 1) // max(cpus_per_client, 1))
     for key, value in (("min-nodes", num_clients), ("max-in-flight", 4 * workers)):
         if keys is None or key in keys:
             config.setdefault(key, value)
@@ -208,6 +212,9 @@ def simulate(args: argparse.Namespace) -> int:
     if not args.overrides:
         args.num_clients = args.num_clients or 2
     app = _find_app(args.app)
+    ray_env, workers = ray_environment(
+        requested_address(args.ray_address), args.cpus_per_client, args.gpus_per_client
+    )
     run_config = args.run_config
     if args.overrides:
         run_config, sites = _run_config_from_overrides(args.overrides, args.run_config)
@@ -218,17 +225,26 @@ def simulate(args: argparse.Namespace) -> int:
         args.num_clients,
         args.cpus_per_client,
         _app_config_keys(app),
+        workers,
     )
     output_dir = Path(config["output-dir"])
     check_simulation(config, args.num_clients)
     run_config = _toml_assignments(config)
     # only once the run config is known to be good; its FLWR_HOME holds the local SuperLink
     env, flwr = flower_environment()
+    env.update(ray_env)
     superlink_dir = local_superlink_dir(Path(env["FLWR_HOME"]))
     superlink_log = superlink_dir / "superlink.log"
     log_offset = superlink_log.stat().st_size if superlink_log.is_file() else 0
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", "39093")
     running_before = set(superlink_pids(control_port))
+    if running_before and workers is not None:
+        log.warning(
+            "a local SuperLink is already running (pid %s); its simulation keeps the Ray it "
+            "started with, not the cluster at %s: stop it first",
+            sorted(running_before),
+            env["RAY_ADDRESS"],
+        )
     started = datetime.now(UTC)
     federation = (
         f"num-supernodes={args.num_clients} client-resources-num-cpus={args.cpus_per_client} "
@@ -298,6 +314,13 @@ def simulate(args: argparse.Namespace) -> int:
         + f", run {report['wall_seconds']:.0f} s"
     )
     print(format_run_summary(report))
+    on_nodes = collections.Counter(site.get("ray_node") for site in report.get("sites", []))
+    on_nodes.pop(None, None)
+    if workers is not None and on_nodes:
+        print(
+            f"sites ran on {len(on_nodes)} Ray node(s): "
+            + ", ".join(f"{node[:12]}… {count}" for node, count in on_nodes.most_common())
+        )
     finetuned = report.get("finetuned", {})
     if finetuned:
         print("fine-tuned after fusion (not zero-shot):")
@@ -353,6 +376,12 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         type=Range(0, 64, integer=False).argument("--gpus-per-client"),
         default=0.0,
         help="GPU share per site (e.g. 0.25: four sites per GPU); needs CUDA and device=auto/cuda",
+    )
+    sim.add_argument(
+        "--ray-address",
+        default=None,
+        help="run the sites on the Ray cluster whose head is at host:port (default: "
+        "$RAY_ADDRESS; neither: a Ray of its own on this machine); see docs/cluster.md",
     )
     sim.add_argument("--output-dir", default=None, help="where run folders go (default: outputs)")
     sim.add_argument("--run-config", default="", help='extra run config, "key=value ..."')

@@ -455,6 +455,7 @@ def _run_flower(job: Job, scenario: Scenario) -> Outcome:
         run_config=assignments,
         cpus_per_client=job.cfg.runner.cpus_per_client,
         timeout=job.cfg.runner.timeout,
+        ray_address=job.cfg.runner.ray_address,
     )
     log.info("%s: %s", job.id, shlex.join(command))
     process = subprocess.run(command, env=os.environ.copy(), check=False)

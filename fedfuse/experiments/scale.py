@@ -38,12 +38,21 @@ from fedfuse.settings.bounds import Range
 
 log = logging.getLogger(__name__)
 
-#: the run the issue measured: MLP 784-512-512-512-10, Dirichlet split, three methods
-DEFAULT_RUN_CONFIG = "partitioner='dirichlet'"  # the app's default methods
+#: MLP 784-512-512-512-10, Dirichlet split, the app's default methods (issues 7 and 21 measured
+#: with strategy='kf-linear,fedavg,regmean' added, the config of the baseline below)
+DEFAULT_RUN_CONFIG = "partitioner='dirichlet'"
 DEFAULT_SITES = (2, 10, 100, 500, 1000)
-#: wall seconds and peak GB over idle of the landed main before this work (issue 7's table,
-#: same run config, 2 cores): the baseline each row is compared with
-BASELINE = {10: (64.0, 3.4), 50: (170.0, 5.0), 100: (249.0, 6.8)}
+#: wall seconds and peak GB over idle before the work each row is compared with (2 cores; run
+#: config ``partitioner='dirichlet' strategy='kf-linear,fedavg,regmean'``): 10 to 100 sites from
+#: the landed main before issue 7, 500 and 1000 sites from issue 7's closing note (main of
+#: 2026-11-24, the starting point of issue 21)
+BASELINE = {
+    10: (64.0, 3.4),
+    50: (170.0, 5.0),
+    100: (249.0, 6.8),
+    500: (438.0, 7.02),
+    1000: (842.0, 9.37),
+}
 
 
 class MemorySampler(threading.Thread):
@@ -104,6 +113,7 @@ def run_size(
     *,
     cpus_per_client: int = 1,
     timeout: float = 3600.0,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
     """One measured ``fedfuse simulate`` run with ``sites`` sites; its row of the table."""
     out = output_dir / f"sites-{sites}"
@@ -119,6 +129,7 @@ def run_size(
             run_config=run_config,
             cpus_per_client=cpus_per_client,
             timeout=timeout,
+            ray_address=ray_address,
         )
         log.info("scale: %d sites: %s", sites, " ".join(command))
         started = time.monotonic()
@@ -139,6 +150,8 @@ def run_size(
         "peak_used_over_idle_gb": sampler.peak_used / 2**30,
     }
     results = out / "latest" / "results.json"
+    stored = list((out / "latest" / "clients").glob("*.safetensors"))
+    row["uploads_on_disk_gb"] = sum(path.stat().st_size for path in stored) / 2**30
     if results.is_file():
         report = json.loads(results.read_text())
         row.update(_phases(report, wall))
@@ -195,6 +208,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "upload handling s",
         *[f"fuse {m} s" for m in methods],
         "evaluate s",
+        "uploads on disk GB",
+        *[f"{m} acc %" for m in methods],
+        "ensemble acc %",
         "status",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -219,10 +235,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             _num(row.get("handle_uploads_seconds")),
             *[_num(row.get("fusion_seconds", {}).get(m), 2) for m in methods],
             _num(row.get("evaluate_seconds")),
+            _num(row.get("uploads_on_disk_gb"), 2),
+            *[_percent(row.get("accuracy", {}).get(m)) for m in methods],
+            _percent(row.get("ensemble_accuracy")),
             str(row.get("status", f"exit {row['returncode']}")),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _percent(value: Any) -> str:
+    return "-" if value is None else f"{100 * float(value):.2f}"
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -262,6 +285,11 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         default=3600.0,
         help="seconds per run",
     )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="run the sites on this Ray cluster (head host:port; docs/cluster.md)",
+    )
     parser.add_argument("--output-dir", default="bench-results/scale")
     parser.set_defaults(handler=scale_command)
     return parser
@@ -286,6 +314,7 @@ def scale_command(args: argparse.Namespace) -> int:
             output_dir,
             cpus_per_client=args.cpus_per_client,
             timeout=args.timeout,
+            ray_address=args.ray_address,
         )
         rows.append(row)
         (output_dir / "scale.json").write_text(json.dumps(rows, indent=2) + "\n")

@@ -96,7 +96,7 @@ def compute_site_extras(
         extras.seconds["score"] = time.monotonic() - started
     if "grams" in wanted:
         started = time.monotonic()
-        extras.grams = level_grams(leveled, inputs)
+        extras.grams = level_grams(leveled, inputs, factor=True)
         extras.seconds["grams"] = time.monotonic() - started
     log.info("site extras %s computed on %d samples", sorted(wanted), len(inputs))
     return extras

@@ -28,6 +28,7 @@ from fedfuse.federation.flower_state import (
     stop_process_tree,
     superlink_pids,
 )
+from fedfuse.federation.ray_cluster import ray_environment, requested_address
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,11 @@ def simulate_command(
     run_config: str,
     cpus_per_client: int = 1,
     timeout: float = 3600.0,
+    ray_address: str | None = None,
 ) -> list[str]:
     """The ``fedfuse simulate`` command line, run in this interpreter, that experiments launch
-    as a subprocess."""
+    as a subprocess (on the Ray cluster at ``ray_address`` when given)."""
+    cluster = ["--ray-address", ray_address] if ray_address else []
     return [
         sys.executable,
         "-m",
@@ -86,6 +89,7 @@ def simulate_command(
         str(output_dir),
         "--run-config",
         run_config,
+        *cluster,
     ]
 
 
@@ -115,14 +119,18 @@ def run_flower_app(
     cpus_per_client: int = 1,
     timeout: float = 3600.0,
     echo: bool = True,
+    ray_address: str | None = None,
 ) -> AppRun:
     """``flwr run <app> --stream`` as a local simulation of ``num_supernodes`` sites, then the
     run's final status from the SuperLink; the SuperLink it started is stopped afterwards.
 
     ``run_config`` is ``flwr run --run-config``'s ``"key=value ..."``; ``echo`` copies Flower's
-    output to this process's stdout as it comes.
+    output to this process's stdout as it comes; ``ray_address`` (default ``$RAY_ADDRESS``)
+    runs the sites on that Ray cluster (:mod:`~fedfuse.federation.ray_cluster`).
     """
+    ray_env, _ = ray_environment(requested_address(ray_address), cpus_per_client, 0.0)
     env, flwr = flower_environment()
+    env.update(ray_env)
     control_port = env.get("FLWR_LOCAL_CONTROL_API_PORT", DEFAULT_CONTROL_PORT)
     running_before = set(superlink_pids(control_port))
     command = [flwr, "run", str(app), "--stream", "--federation-config"]

@@ -24,6 +24,7 @@ import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
 from fedfuse.federation.contract import DataContract
+from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
@@ -135,7 +136,7 @@ def train_site(
     if send_grams:
         grams = cached.grams if cached else None
         if grams is None:
-            grams = level_grams(model, site_data().inputs())
+            grams = level_grams(model, site_data().inputs(), factor=True)
             clock.lap("grams")
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
@@ -155,6 +156,7 @@ def train_site(
         grams=grams,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
         site_name=site_name,
+        ray_node=site_ray_node(),
     )
 
 

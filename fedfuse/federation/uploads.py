@@ -61,6 +61,8 @@ class ClientUpload:
     seconds: dict[str, float] = field(default_factory=dict)
     #: the site's name (its SuperNode's ``site-name`` node config; "" when it gave none)
     site_name: str = ""
+    #: the Ray node the site ran on in a simulation ("" when deployed)
+    ray_node: str = ""
 
     def payload_bytes(self) -> int:
         """Bytes of the tensors the site uploads: weights, scores and Grams when sent."""
@@ -93,6 +95,7 @@ class ClientUpload:
             "score_method": self.score_method,
             "init": self.init,
             "seconds": dict(self.seconds),
+            **({"ray_node": self.ray_node} if self.ray_node else {}),
         }
 
 

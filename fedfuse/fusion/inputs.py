@@ -46,7 +46,8 @@ class FusionInputs:
         class_counts: per model, its training samples per class.
         grams: per model, by neuron level, the Gram matrix ``X^T X`` of the level's design rows
             (its inputs with a trailing 1, unfolded for convolutions) summed over the site's own
-            data (RegMean needs no fusion set, only these).
+            data (RegMean needs no fusion set, only these); or its exact factor ``R``
+            (``r x d``, ``r < d``, ``R^T R = X^T X``: :mod:`fedfuse.io.grams`).
         sites: a :class:`~fedfuse.fusion.site_statistics.SiteChannel` reaching the site of each
             model for statistics rounds (the Flower strategy's, or ``LocalSites`` in-process).
     """

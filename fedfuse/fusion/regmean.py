@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.io.grams import full_gram, gram_factor
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import (
     _patches,
@@ -194,7 +195,7 @@ def _accumulate(module: nn.Module, x: torch.Tensor, bias: bool, gram: torch.Tens
 
 @torch.no_grad()
 def level_grams(
-    model: LeveledModel, data: torch.Tensor, *, batch_size: int = 256
+    model: LeveledModel, data: torch.Tensor, *, batch_size: int = 256, factor: bool = False
 ) -> dict[int, torch.Tensor]:
     """Client side of RegMean: each neuron level's design Gram ``X^T X`` over ``data``, float64.
 
@@ -210,6 +211,9 @@ def level_grams(
         model: the client's model.
         data: the client's training inputs ``(N, ...)``, normalised like the training data.
         batch_size: samples per forward pass; design rows are further chunked to bound memory.
+        factor: give an affine level with fewer design rows than columns as its exact factor
+            ``R`` (``rows x columns``, ``R^T R = X^T X``; :mod:`fedfuse.io.grams`), which is
+            what a site with few samples uploads: a fraction of the matrix's size.
 
     Returns:
         ``{neuron level index: Gram}`` on the CPU, as :attr:`FusionInputs.grams` expects.
@@ -225,6 +229,8 @@ def level_grams(
         index: torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64)
         for index, view in views.items()
     }
+    # design rows kept while a level has fewer than its columns (then its Gram is sent as R)
+    kept: dict[int, list[torch.Tensor] | None] = {i: [] if factor else None for i in views}
     blocks: dict[tuple[int, int], torch.Tensor] = {}
     block_modules: dict[tuple[int, int], nn.Module] = {}
     for level, level_blocks in layout.items():
@@ -240,6 +246,11 @@ def level_grams(
         for chunk in range(0, len(x), step):
             design = view.design(x[chunk : chunk + step]).double()
             grams[index] += (design.T @ design).cpu()
+            rows = kept[index]
+            if rows is not None:
+                rows.append(design.cpu())
+                if sum(len(r) for r in rows) >= view.fan_in:
+                    kept[index] = None
 
     def record_block(
         key: tuple[int, int], module: nn.Module, args: tuple[Any, ...], _: None
@@ -253,6 +264,9 @@ def level_grams(
         run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
     for level, level_blocks in layout.items():
         grams[level] = torch.block_diag(*(blocks[level, n] for n in range(len(level_blocks))))
+    for index, rows in kept.items():
+        if rows:
+            grams[index] = gram_factor(torch.cat(rows))
     return dict(sorted(grams.items()))
 
 
@@ -348,7 +362,7 @@ class RegMean(FusionMethod):
                 f"(has levels {sorted(grams)}); compute them with "
                 "fedfuse.fusion.regmean.level_grams"
             )
-        gram = torch.as_tensor(grams[level]).to(torch.float64)
+        gram = full_gram(torch.as_tensor(grams[level]))
         if gram.shape != (size, size) or not torch.isfinite(gram).all():
             raise ValueError(
                 f"{self.name}: FusionInputs.grams[{client}][{level}] must be a finite "

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fedfuse.io.grams import is_gram_factor
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view
 from fedfuse.models.importance import Scores
@@ -138,9 +139,11 @@ def validate_grams(
 ) -> dict[int, torch.Tensor]:
     """Check a site's level Gram matrices ``X^T X`` and return them as float64.
 
-    One matrix per neuron level, square with the level's design width (fan-in plus the bias
-    column), finite, symmetric and positive semi-definite (as every ``X^T X`` is); a matrix that
-    is not cannot have come from data, and would make RegMean's solve meaningless.
+    One per neuron level, with the level's design width ``d`` (fan-in plus the bias column),
+    finite, and either the ``d x d`` matrix, symmetric and positive semi-definite (as every
+    ``X^T X`` is; one that is not cannot have come from data, and would make RegMean's solve
+    meaningless), or its factor ``R`` (``r x d``, ``r < d``: :mod:`fedfuse.io.grams`), which
+    is positive semi-definite by construction and is kept as the factor.
     """
 
     if sorted(grams) != model.neuron_levels:
@@ -152,10 +155,11 @@ def validate_grams(
         view = affine_view(model.levels[level])
         size = view.fan_in if view is not None else None
         shape = tuple(gram.shape)
-        if gram.dim() != 2 or shape[0] != shape[1] or (size and shape[0] != size):
+        factor = is_gram_factor(gram) and size is not None
+        if gram.dim() != 2 or (shape[0] != shape[1] and not factor) or (size and shape[1] != size):
             raise ContributionError(
                 f"{source}: Gram matrix of level {level} has shape {shape}, "
-                f"expected ({size}, {size})"
+                f"expected ({size}, {size}) or a factor (rows < {size}, {size})"
             )
         if not gram.is_floating_point():
             raise ContributionError(
@@ -164,13 +168,14 @@ def validate_grams(
         cast = gram.double()
         if not torch.isfinite(cast).all():
             raise ContributionError(f"{source}: Gram matrix of level {level} has NaN/Inf values")
-        scale = float(cast.abs().max())
-        if float((cast - cast.T).abs().max()) > 1e-6 * scale:
-            raise ContributionError(f"{source}: Gram matrix of level {level} is not symmetric")
-        if not _positive_semidefinite(cast):
-            raise ContributionError(
-                f"{source}: Gram matrix of level {level} is not positive semi-definite"
-            )
+        if not factor:
+            scale = float(cast.abs().max())
+            if float((cast - cast.T).abs().max()) > 1e-6 * scale:
+                raise ContributionError(f"{source}: Gram matrix of level {level} is not symmetric")
+            if not _positive_semidefinite(cast):
+                raise ContributionError(
+                    f"{source}: Gram matrix of level {level} is not positive semi-definite"
+                )
         checked[level] = cast
     return checked
 

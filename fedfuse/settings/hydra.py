@@ -143,7 +143,10 @@ KEYS: tuple[Key, ...] = (
 )
 #: groups whose option is chosen by a run-config value (group -> the key naming the option)
 SELECTING_KEYS = {"dataset": "dataset.name", "model": "model.name", "partition": "partition.name"}
-RUNNER_KEYS = {"library": ("name",), "flower": ("name", "cpus_per_client", "timeout")}
+RUNNER_KEYS = {
+    "library": ("name",),
+    "flower": ("name", "cpus_per_client", "timeout", "ray_address"),
+}
 
 
 def config_dir():

@@ -1,5 +1,6 @@
 """The server's handling of replies: validation, silent clients, one-shot fusion."""
 
+import dataclasses
 import math
 
 import pytest
@@ -38,6 +39,13 @@ def test_valid_reply_round_trips(uploads):
     for a, b in zip(decoded.model.parameters(), upload.model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(decoded.scores[k], upload.scores[k]) for k in upload.scores)
+    assert decoded.ray_node == "" and "ray_node" not in decoded.facts()
+
+
+def test_the_ray_node_a_simulated_site_ran_on_reaches_the_servers_facts(uploads):
+    upload = dataclasses.replace(uploads[0], ray_node="a4fd5c13")
+    decoded = decode_reply(reply_from(pack_upload(upload), 3), None, require_scores=False)
+    assert decoded.facts()["ray_node"] == "a4fd5c13"
 
 
 def test_nan_weights_are_named_with_client_and_tensor(uploads):

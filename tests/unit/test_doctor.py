@@ -47,11 +47,12 @@ def test_a_state_db_of_the_installed_flower_is_fine(home, capsys):
 
 
 def test_a_foreign_state_db_is_one_problem_line_naming_file_revision_and_version(home, capsys):
-    path = state_db(home, "d9bd9d502cf9")
+    assert "5e1f0a2b3c4d" not in state_revisions()  # a revision of another Flower version
+    path = state_db(home, "5e1f0a2b3c4d")
     assert main(["doctor"]) == 1
     problems = capsys.readouterr().err.splitlines()
     assert len(problems) == 1, problems
-    assert str(path) in problems[0] and "'d9bd9d502cf9'" in problems[0]
+    assert str(path) in problems[0] and "'5e1f0a2b3c4d'" in problems[0]
     assert f"flwr {flwr_version()}" in problems[0] and "FLWR_HOME" in problems[0]
 
 
@@ -67,3 +68,18 @@ def test_an_unreachable_ray_address_is_a_problem(home, monkeypatch, capsys):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert main(["doctor"]) == 1
     assert "$RAY_ADDRESS=127.0.0.1:1 is not reachable" in capsys.readouterr().err
+
+
+def test_medmnist_sets_are_found_where_the_loader_reads_them(home, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("medmnist")
+    monkeypatch.setenv("FEDFUSE_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("FEDFUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "data" / "medmnist").mkdir(parents=True)
+    (tmp_path / "data" / "medmnist" / "bloodmnist.npz").write_bytes(b"")
+    main(["doctor"])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("medmnist"))
+    assert f"bloodmnist: {tmp_path / 'data' / 'medmnist' / 'bloodmnist.npz'}" in line
+    assert "1 of " in line
+    assert f"{tmp_path / 'cache'} ($FEDFUSE_CACHE" in out

@@ -14,6 +14,8 @@ from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
 from fedfuse.fusion.fedma import FedMAMatching
 from fedfuse.fusion.fedma_bbp import _client_gains
 from fedfuse.fusion.regmean import RegMean, level_grams
+from fedfuse.io.grams import full_gram
+from fedfuse.io.validation import ContributionError, validate_grams
 from fedfuse.models import LeveledModel, build_model, mlp_spec
 from fedfuse.models.affine import affine_view
 from tests.helpers import permuted_copy
@@ -311,3 +313,39 @@ def test_regmean_merges_a_vgg_from_its_grams(tiny_vgg):
     fused = RegMean().fuse([tiny_vgg, other], FusionInputs(grams=grams)).model
     with torch.no_grad():
         assert torch.allclose(fused(images), tiny_vgg(images), atol=1e-3)
+
+
+def test_a_site_with_fewer_rows_than_columns_sends_an_exact_gram_factor(tiny_mlp):
+    data = torch.randn(7, 1, 4, 4, generator=torch.Generator().manual_seed(3))
+    full = level_grams(tiny_mlp, data)
+    compact = level_grams(tiny_mlp, data, factor=True, batch_size=3)
+    for index, gram in full.items():
+        stored = compact[index]
+        if gram.shape[0] > len(data):  # 7 rows under 17 columns: R (7 x 17) with R^T R = G
+            assert stored.shape == (len(data), gram.shape[0])
+            assert torch.allclose(full_gram(stored), gram, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.allclose(stored, gram, rtol=1e-6, atol=1e-6)
+    # the fit from factors is the fit from the matrices
+    other = level_grams(tiny_mlp, data + 0.5)
+    fused = RegMean().fuse([tiny_mlp, tiny_mlp], FusionInputs(grams=[full, other])).model
+    compact_other = level_grams(tiny_mlp, data + 0.5, factor=True)
+    from_factors = (
+        RegMean().fuse([tiny_mlp, tiny_mlp], FusionInputs(grams=[compact, compact_other])).model
+    )
+    for name, value in fused.state_dict().items():
+        assert torch.allclose(from_factors.state_dict()[name], value, atol=1e-5), name
+
+
+def test_gram_factors_are_validated_by_shape_and_values(tiny_mlp):
+    data = torch.randn(5, 1, 4, 4)
+    compact = level_grams(tiny_mlp, data, factor=True)
+    first = tiny_mlp.neuron_levels[0]
+    assert validate_grams(tiny_mlp, compact, source="site-3")[first].shape == (5, 17)
+    bad = {**compact, first: compact[first][:, :-1]}
+    with pytest.raises(ContributionError, match=r"site-3: Gram matrix of level 0 has shape"):
+        validate_grams(tiny_mlp, bad, source="site-3")
+    poisoned = {**compact, first: compact[first].clone()}
+    poisoned[first][0, 0] = float("nan")
+    with pytest.raises(ContributionError, match="NaN/Inf"):
+        validate_grams(tiny_mlp, poisoned, source="site-3")

@@ -106,12 +106,12 @@ def test_a_foreign_state_db_stops_simulate_in_one_line_before_flower_starts(
     monkeypatch.delenv("FLWR_HOME", raising=False)
     monkeypatch.setenv(where, str(tmp_path / "state"))
     home = simulation_flwr_home()[0]
-    path = state_db(home, "d9bd9d502cf9")
+    path = state_db(home, "5e1f0a2b3c4d")
     code = main(["simulate", "--output-dir", str(tmp_path / "out")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("fedfuse simulate: error: ")
-    assert str(path) in err[0] and "'d9bd9d502cf9'" in err[0]
+    assert str(path) in err[0] and "'5e1f0a2b3c4d'" in err[0]
     assert f"flwr {flwr_version()}" in err[0]
     assert not (home / "local-superlink" / "superlink.log").exists()  # no SuperLink started
     assert not (home / "config.toml").exists()  # nor `flwr run`
@@ -151,6 +151,6 @@ def test_every_flower_command_of_fedfuse_gets_the_checked_home(tmp_path, monkeyp
     env, _ = flower_environment()
     assert env["FLWR_HOME"] == str(tmp_path / "state" / "fedfuse" / f"flwr-{flwr_version()}")
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "mine"))
-    state_db(tmp_path / "mine", "d9bd9d502cf9")
+    state_db(tmp_path / "mine", "5e1f0a2b3c4d")
     with pytest.raises(StateDatabaseError, match="written by another Flower version"):
         flower_environment()

@@ -1,0 +1,103 @@
+"""A simulation on a Ray cluster that is already up: two real Ray nodes on 127.0.0.1 (``ray start
+--head`` and ``ray start --address``), each with its own CPU, and ``fedfuse simulate
+--ray-address`` running its sites on both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fedfuse.federation.flower_state import stop_process_tree, superlink_pids
+from fedfuse.federation.ray_cluster import RayClusterError, connect
+from tests.helpers import flower_test_env, free_port
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+SMALL = "train-samples=1500 local-epochs=1 score-samples=64 score-steps=4 test-samples=1000"
+
+
+def _cluster_processes(temp_dir: str, port: int) -> list[int]:
+    """The processes of the cluster under ``temp_dir`` with its head at ``port`` (never
+    another Ray on the machine, so ``ray stop``, which stops every Ray, is not used)."""
+    marks = (temp_dir, f"127.0.0.1:{port}", f":{port} ")
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        command = " ".join(process.info["cmdline"] or []) + " "
+        if process.pid != os.getpid() and any(mark in command for mark in marks):
+            found.append(process.pid)
+    return found
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A head node and a worker node on 127.0.0.1, one CPU each; yields the head's address."""
+    ray = str(Path(sys.executable).parent / "ray")
+    # a short path of its own: Ray's sockets live under it, and no other Ray finds this cluster
+    temp_dir = tempfile.mkdtemp(prefix="ffray-", dir="/tmp")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "FLWR_HOME")}
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    head = [ray, "start", "--head", f"--port={port}", f"--temp-dir={temp_dir}", *common]
+    head += ["--include-dashboard=false", f"--dashboard-port={free_port()}"]
+    head += [f"--ray-client-server-port={free_port()}"]
+    worker = [ray, "start", f"--address={address}", *common]
+    try:
+        for command in (head, worker):
+            subprocess.run(command, env=env, check=True, capture_output=True, timeout=180)
+        deadline = time.monotonic() + 60
+        while len(connect(address).nodes) < 2:
+            assert time.monotonic() < deadline, "the worker node never joined the cluster"
+            time.sleep(1)
+        yield address
+    finally:
+        stop_process_tree(_cluster_processes(temp_dir, port))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_simulate_runs_its_sites_on_both_nodes_of_a_ray_cluster(two_node_cluster, tmp_path):
+    nodes = {node.node_id for node in connect(two_node_cluster).nodes}
+    env, control_port = flower_test_env(tmp_path)
+    out = tmp_path / "outputs"
+    command = [
+        *(sys.executable, "-m", "fedfuse.cli.main", "simulate", "--app", str(REPO)),
+        *("--num-clients", "4", "--ray-address", two_node_cluster, "--output-dir", str(out)),
+        *("--timeout", "600", "--run-config", f"{SMALL} strategy='fedavg'"),
+    ]
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=660)
+    finally:
+        stop_process_tree(superlink_pids(control_port))
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "latest" / "results.json").read_text())
+    ran_on = Counter(site.get("ray_node") for site in report["sites"])
+    assert sum(ran_on.values()) == 4 and set(ran_on) == nodes, ran_on
+    assert "sites ran on 2 Ray node(s)" in completed.stdout
+    assert report["fusions"]["fedavg"]["status"] == "ok"
+
+
+def test_a_cluster_that_does_not_answer_is_named_before_flower_starts(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(RayClusterError, match=f"no Ray cluster answers at {address}"):
+        connect(address)
+    env, _ = flower_test_env(tmp_path)
+    completed = subprocess.run(
+        [sys.executable, "-m", "fedfuse.cli.main", "simulate", "--ray-address", address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode != 0
+    assert f"no Ray cluster answers at {address}" in completed.stderr
+    assert not (tmp_path / "flwr-home").exists()  # Flower never started
