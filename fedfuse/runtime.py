@@ -109,3 +109,18 @@ class PeakMemory:
         self.extra_mib = (self._peak - self._start) / 2**20
         if torch.cuda.is_available():
             self.cuda_mib = torch.cuda.max_memory_allocated() / 2**20
+
+
+def release_free_memory() -> None:
+    """Hand the memory this process freed back to the system (glibc's ``malloc_trim``).
+
+    glibc raises its mmap threshold after large blocks are freed, so later tensors of a few
+    hundred KB come from the heap, and freeing them leaves the heap as large as it grew. A fusion
+    of many models frees gigabytes of level outputs; without this the process keeps them until it
+    ends. A no-op where the C library is not glibc.
+    """
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -158,9 +158,9 @@ def _wait_for_run(
 
 def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     """Fail fast, before Flower starts: the run config must parse (no unknown keys, every value
-    in range), every listed fusion method must be able to fuse ``num_clients`` sites of the
-    run's architecture, and requested fused widths must fit the sites' model and the size
-    limit."""
+    in range), the data must split into ``num_clients`` sites and give the fusion set, every
+    listed fusion method must be able to fuse ``num_clients`` sites of the run's architecture,
+    and requested fused widths must fit the sites' model and the size limit."""
     from fedfuse.data import DatasetNotFoundError
     from fedfuse.federation.scenario import Scenario
     from fedfuse.settings.run import RunSettings
@@ -169,7 +169,14 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     settings = RunSettings.from_config(config)
     methods = settings.fusion_methods()
     try:  # the sites' spec needs the data's shape (and the server's data, which it checks)
-        spec = Scenario(settings, num_clients).model_spec()
+        scenario = Scenario(settings, num_clients)
+        spec = scenario.model_spec()
+        # the split and the fusion set the ServerApp builds once Flower is up (a sharded split
+        # holds at most one site per class)
+        if settings.fusion_data:
+            scenario.partitions  # noqa: B018 - computed for its check
+        else:
+            scenario.fusion_set()
     except (DatasetNotFoundError, FileNotFoundError):
         if settings.fused_widths.strip():
             raise

@@ -66,12 +66,21 @@ class MemorySampler(threading.Thread):
         self.idle_used = _used_bytes()
         self.peak_tree = 0
         self.peak_used = 0
+        #: (seconds since start, used over idle GB, tree RSS GB), every 2 s: where the peak is
+        self.timeline: list[tuple[float, float, float]] = []
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        started = time.monotonic()
         while not self._stop_event.is_set():
-            self.peak_tree = max(self.peak_tree, self.tree_rss())
-            self.peak_used = max(self.peak_used, _used_bytes() - self.idle_used)
+            tree, used = self.tree_rss(), _used_bytes() - self.idle_used
+            self.peak_tree = max(self.peak_tree, tree)
+            self.peak_used = max(self.peak_used, used)
+            now = time.monotonic() - started
+            if not self.timeline or now - self.timeline[-1][0] >= 2.0:
+                self.timeline.append(
+                    (round(now, 1), round(used / 2**30, 2), round(tree / 2**30, 2))
+                )
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:
@@ -148,6 +157,7 @@ def run_size(
         "wall_seconds": wall,
         "peak_tree_rss_gb": sampler.peak_tree / 2**30,
         "peak_used_over_idle_gb": sampler.peak_used / 2**30,
+        "memory_timeline": sampler.timeline,
     }
     results = out / "latest" / "results.json"
     stored = list((out / "latest" / "clients").glob("*.safetensors"))

@@ -27,7 +27,7 @@ from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked, check_option_bounds
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
-from fedfuse.runtime import check_device
+from fedfuse.runtime import check_device, release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class FusionMethod(ABC):
             )
         started = time.perf_counter()
         model, details = self._fuse(list(models), inputs, target)
+        release_free_memory()  # what the fusion freed goes back now, not when the process ends
         seconds = time.perf_counter() - started
         log.info("%s fused %d models in %.2f s", self.name, len(models), seconds)
         if adapter is not None:

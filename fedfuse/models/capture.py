@@ -155,6 +155,56 @@ def capture_levels(
     }
 
 
+class LevelStream:
+    """One model's level inputs and outputs on a batch, a level at a time and in order.
+
+    :func:`capture_levels` keeps every requested level of a model at once; a fusion of a
+    thousand models that fits one level after the other needs only the current level of each.
+    :meth:`level` runs the model from the last level it reached to the one asked for and keeps
+    only that level's tensors (and, to go on from, nothing else), so the memory is one level's
+    outputs per model. The batches are those of :func:`capture_levels`, so are the values.
+    """
+
+    def __init__(
+        self,
+        model: LeveledModel,
+        inputs: torch.Tensor,
+        *,
+        batch_size: int = 1024,
+        device: str | torch.device = "auto",
+        store_device: str | torch.device = "cpu",
+        keep_inputs: bool = True,
+    ) -> None:
+        self.model = model
+        self.batch_size = batch_size
+        self.device = device
+        self.store_device = store_device
+        self.keep_inputs = keep_inputs
+        self._inputs = inputs
+        self._reached = 0  # the next level to run
+
+    @torch.no_grad()
+    def level(self, index: int) -> LevelIO:
+        """The inputs (when kept) and outputs of level ``index``; levels come in order."""
+        if not self._reached <= index < self.model.num_levels:
+            raise ValueError(
+                f"level {index} cannot be streamed: levels come in order, the next is "
+                f"{self._reached} of {self.model.num_levels}"
+            )
+        x = self._inputs
+        with evaluating(self.model, self.device) as compute:
+            for number in range(self._reached, index + 1):
+                level, seen = self.model.levels[number], x
+                x = torch.cat(
+                    [
+                        level(chunk.to(compute)).to(self.store_device)
+                        for chunk in x.split(self.batch_size)
+                    ]
+                )
+        self._inputs, self._reached = x, index + 1
+        return LevelIO(seen if self.keep_inputs else torch.empty(0), x)
+
+
 @torch.no_grad()
 def predict(
     model: torch.nn.Module,

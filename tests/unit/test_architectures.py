@@ -11,7 +11,7 @@ from fedfuse.models import (
     parameter_shapes,
 )
 from fedfuse.models.affine import affine_view, output_rows
-from fedfuse.models.capture import capture_levels
+from fedfuse.models.capture import LevelStream, capture_levels
 from fedfuse.models.resnet import BasicBlock
 from fedfuse.models.symmetry import (
     feature_spaces,
@@ -212,3 +212,17 @@ def test_resnet_checkpoints_round_trip_with_their_batchnorm_counters(tmp_path, g
     bad_var[0] = -1
     with pytest.raises(ContributionError, match="site 2: .*negative variances"):
         validate_state_dict(spec, {**state, "levels.0.bn.running_var": bad_var}, source="site 2")
+
+
+def test_a_level_stream_gives_the_captured_levels_one_at_a_time():
+    spec = make_spec("resnet", (3, 16, 16), 10, depth=10, width_multiplier=0.25)
+    model = build_model(spec, seed=0)
+    x = torch.randn(9, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    captured = capture_levels(model, x, batch_size=4, device="cpu")
+    stream = LevelStream(model, x, batch_size=4, device="cpu")
+    for index in (0, 2, 3, model.num_levels - 1):  # levels skipped are run, not kept
+        level = stream.level(index)
+        assert torch.equal(level.outputs, captured[index].outputs)
+        assert torch.equal(level.inputs, captured[index].inputs)
+    with pytest.raises(ValueError, match="levels come in order"):
+        stream.level(1)

@@ -107,6 +107,16 @@ def test_simulate_checks_fused_widths_before_flower(capsys):
     assert code != 0 and "fused-widths" in err and "65536" in err
 
 
+def test_simulate_checks_the_split_before_flower(capsys, monkeypatch):
+    # a sharded split gives each site its own classes: 12 sites of 10 classes cannot be made
+    monkeypatch.setattr(
+        "fedfuse.cli.simulate.flower_environment",
+        lambda: pytest.fail("Flower must not start"),
+    )
+    code, err = run_cli(capsys, "simulate", "--num-clients", "12")
+    assert code != 0 and "sharded split needs num_clients <= num_classes, got 12 > 10" in err
+
+
 # ------------------------------------------------------------------ 3. run config before Flower
 @pytest.mark.parametrize(
     ("argv", "named"),

@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from fedfuse.fusion.blocks.kmeans import (
+    AUTO_POINTS_PER_CLUSTER,
+    AUTO_VARIANCE,
     kmeans_plusplus,
+    principal_coordinates,
+    resolve_variance,
+    scatter_around_means,
     weighted_centers,
     weighted_kmeans,
     weighted_kmeans_cost,
@@ -118,3 +123,54 @@ def test_many_points_blocks_and_sampled_seeding_find_the_clusters(monkeypatch):
     )
     again = weighted_kmeans(points, weights, 4, seed=1)
     assert torch.equal(again.labels, result.labels)  # deterministic by seed
+
+
+def _low_rank_blobs(seed=0):
+    """Blobs in a 3-dimensional affine subspace of 12 dimensions, with weights."""
+    g = torch.Generator().manual_seed(seed)
+    flat, _ = _blobs(n_per=25, k=4, dim=3, seed=seed)
+    basis, _ = torch.linalg.qr(torch.randn(12, 3, generator=g, dtype=torch.float64))
+    points = (flat @ basis.T + torch.randn(12, generator=g, dtype=torch.float64)).float()
+    return points, torch.rand(len(points), generator=g).float() + 0.1
+
+
+def test_principal_coordinates_keep_every_distance_of_points_on_a_subspace():
+    points, weights = _low_rank_blobs()
+    coordinates = principal_coordinates(points, weights, 0.999999)
+    assert coordinates.shape == (100, 3)  # the subspace's dimension, found from the spectrum
+    exact = "donot_use_mm_for_euclid_dist"
+    assert torch.allclose(
+        torch.cdist(coordinates, coordinates, compute_mode=exact),
+        torch.cdist(points, points, compute_mode=exact),
+        atol=1e-3,
+    )
+
+
+def test_clustering_on_principal_coordinates_is_scored_on_the_points():
+    points, weights = _low_rank_blobs(seed=2)
+    full = weighted_kmeans(points, weights, 4, seed=0)
+    projected = weighted_kmeans(points, weights, 4, seed=0, variance=0.999999)
+    assert torch.equal(projected.labels, full.labels)  # the same distances: the same clusters
+    centers, _ = weighted_centers(points, weights, projected.labels, 4)
+    assert projected.centers.shape == (4, 12) and torch.allclose(projected.centers, centers)
+    assert projected.cost == pytest.approx(full.cost, rel=1e-4)
+
+
+def test_auto_variance_projects_only_many_points_per_cluster():
+    k = 512
+    assert resolve_variance("auto", AUTO_POINTS_PER_CLUSTER * k - 1, k) is None
+    assert resolve_variance("auto", AUTO_POINTS_PER_CLUSTER * k, k) == AUTO_VARIANCE
+    assert resolve_variance(1.0, 10**6, k) is None and resolve_variance(None, 10**6, k) is None
+    assert resolve_variance(0.9, 10, k) == 0.9
+    for bad in (0.0, -1.0, 1.5, "half"):
+        with pytest.raises(ValueError, match="variance must be in"):
+            resolve_variance(bad, 10, k)
+
+
+def test_the_scatter_around_the_weighted_means_is_the_k_means_cost():
+    points, weights = _low_rank_blobs(seed=4)
+    labels = weighted_kmeans(points, weights, 4, seed=0).labels
+    centers, mass = weighted_centers(points, weights.double(), labels, 4, dtype=torch.float64)
+    assert scatter_around_means(points, weights.double(), centers, mass) == pytest.approx(
+        weighted_kmeans_cost(points.double(), weights.double(), labels, centers), rel=1e-6
+    )

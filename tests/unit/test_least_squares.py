@@ -69,3 +69,25 @@ def test_theorem_1_decomposition_holds_for_any_fused_output():
     # with the fused outputs equal to the targets, only the grouping error remains
     assert cost.approximation == pytest.approx(0, abs=1e-12)
     assert cost.grouping > 0
+
+
+def test_level_costs_from_cluster_sums_match_the_sums_over_every_base_neuron():
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(50, 40, generator=g)  # float32, as captured
+    weights = torch.rand(40, generator=g)
+    weights[3] = 0.0
+    labels = torch.randint(0, 6, (40,), generator=g)
+    labels[:6] = torch.arange(6)  # every cluster has a member
+    fused = torch.randn(50, 6, generator=g)
+    z, w, f = base.double(), weights.double(), fused.double()
+    targets = cluster_targets(z, labels, w, 6)
+    direct = [
+        float((w * ((f[:, labels] - z) ** 2).sum(0)).sum()) / 50,
+        float((w * ((f[:, labels] - targets[:, labels]) ** 2).sum(0)).sum()) / 50,
+        float((w * ((targets[:, labels] - z) ** 2).sum(0)).sum()) / 50,
+    ]
+    chunked = representation_cost(fused.split(7), base.split(7), labels, weights)
+    for ours, expected in zip(
+        (chunked.total, chunked.approximation, chunked.grouping), direct, strict=True
+    ):
+        assert ours == pytest.approx(expected, rel=1e-9)

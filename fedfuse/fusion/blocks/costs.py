@@ -41,17 +41,26 @@ def cluster_targets(
 def _cost_sums(
     fused: torch.Tensor, base: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """Unnormalised ``(total, approximation, grouping)`` over the given rows."""
-    f, z, w = fused.double(), base.double(), weights.double()
-    targets = cluster_targets(z, labels, w, f.shape[1])[:, labels]
-    assigned = f[:, labels]
-    return torch.stack(
-        [
-            (w * ((assigned - z) ** 2).sum(0)).sum(),
-            (w * ((assigned - targets) ** 2).sum(0)).sum(),
-            (w * ((targets - z) ** 2).sum(0)).sum(),
-        ]
-    )
+    """Unnormalised ``(total, approximation, grouping)`` over the given rows.
+
+    From the clusters' weighted sums ``S_k = sum_{c(j)=k} s_j z_j`` and masses ``m_k`` alone
+    (one pass over the base columns, no ``rows x base`` temporaries):
+    ``grouping = sum_j s_j |z_j|^2 - sum_k |S_k|^2 / m_k``,
+    ``approximation = sum_k m_k |f_k - T_k|^2`` and
+    ``total = sum_k (m_k |f_k|^2 - 2 f_k . S_k) + sum_j s_j |z_j|^2``.
+    """
+    f, w = fused.double(), weights.to(base.dtype)
+    k = f.shape[1]
+    sums = torch.zeros(base.shape[0], k, dtype=torch.float64, device=base.device)
+    sums.index_add_(1, labels, (base * w[None]).double())
+    mass = torch.zeros(k, dtype=torch.float64, device=base.device)
+    mass.index_add_(0, labels, weights.double())
+    base_norm = (w.double() * (base.double() ** 2).sum(0)).sum()
+    targets = sums / mass.clamp_min(torch.finfo(torch.float64).tiny)[None]
+    grouping = (base_norm - (sums * targets).sum()).clamp_min(0)
+    approximation = (mass * ((f - targets) ** 2).sum(0)).sum()
+    total = ((mass * (f**2).sum(0)).sum() - 2 * (f * sums).sum() + base_norm).clamp_min(0)
+    return torch.stack([total, approximation, grouping])
 
 
 def representation_cost(

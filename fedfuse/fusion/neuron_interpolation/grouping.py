@@ -35,6 +35,7 @@ def group_neurons(
     seed: int,
     local_search_swaps: int,
     match_rounds: int = 50,
+    kmeans_variance: float | str | None = None,
 ) -> torch.Tensor:
     """Fused neuron of each base neuron; ``points`` are base neurons as rows, model by model
     (``widths``). Hungarian groups (at most ``match_rounds`` rounds of re-matching for more than
@@ -51,6 +52,7 @@ def group_neurons(
         tol=tol,
         seed=seed,
         local_search_swaps=local_search_swaps,
+        variance=kmeans_variance,
     )
     labels = result.labels
     if k == widths[0]:  # order clusters like model 0's neurons (for base-weight initialisation)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.blocks.costs import cluster_targets
-from fedfuse.fusion.blocks.kmeans import point_costs, weighted_centers
+from fedfuse.fusion.blocks.kmeans import scatter_around_means, weighted_centers
 from fedfuse.fusion.blocks.least_squares import (
     GramSpectrum,
     KernelSpectrum,
@@ -118,7 +118,7 @@ def fit_linear(
             ],
         }
     view.set_weights(fitted.float())
-    grouping = float(point_costs(points, w64, labels, centers, dtype=torch.float64).sum())
+    grouping = scatter_around_means(points, w64, centers, mass)
     residual = 0.0  # the kernel route reaches every output exactly
     if norms is not None:
         reached = torch.cat(
