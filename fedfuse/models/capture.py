@@ -183,9 +183,16 @@ class LevelStream:
         self._inputs = inputs
         self._reached = 0  # the next level to run
 
+    def keep(self, outputs: torch.Tensor) -> None:
+        """Go on from ``outputs`` instead (the last level's values, moved, e.g. into a tensor
+        shared with other models)."""
+        self._inputs = outputs
+
     @torch.no_grad()
-    def level(self, index: int) -> LevelIO:
-        """The inputs (when kept) and outputs of level ``index``; levels come in order."""
+    def level(self, index: int, out: torch.Tensor | None = None) -> LevelIO:
+        """The inputs (when kept) and outputs of level ``index``; levels come in order. With
+        ``out`` (for example a model's columns of one tensor holding every model's outputs),
+        the outputs are written there and ``out`` is what is returned and kept."""
         if not self._reached <= index < self.model.num_levels:
             raise ValueError(
                 f"level {index} cannot be streamed: levels come in order, the next is "
@@ -195,12 +202,18 @@ class LevelStream:
         with evaluating(self.model, self.device) as compute:
             for number in range(self._reached, index + 1):
                 level, seen = self.model.levels[number], x
-                x = torch.cat(
-                    [
-                        level(chunk.to(compute)).to(self.store_device)
-                        for chunk in x.split(self.batch_size)
-                    ]
-                )
+                chunks = [
+                    level(chunk.to(compute)).to(self.store_device)
+                    for chunk in x.split(self.batch_size)
+                ]
+                if number == index and out is not None:
+                    start = 0
+                    for chunk in chunks:
+                        out[start : start + len(chunk)] = chunk
+                        start += len(chunk)
+                    x = out
+                else:
+                    x = torch.cat(chunks)
         self._inputs, self._reached = x, index + 1
         return LevelIO(seen if self.keep_inputs else torch.empty(0), x)
 

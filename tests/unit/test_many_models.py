@@ -237,3 +237,29 @@ def test_merge_many_aligns_permuted_copies_of_noisy_units():
     assert torch.equal(found[0], torch.arange(10)) and rounds >= 2
     for p, q in zip(perms, found, strict=True):  # slot s holds base unit s in every model
         assert torch.equal(p[q], torch.arange(10))
+
+
+@pytest.mark.parametrize(("samples", "route"), [(12, "kernel"), (40, "gram")])
+def test_many_models_levels_side_by_side_fit_as_the_levels_one_by_one(monkeypatch, samples, route):
+    """When K-means clusters on principal coordinates, a linear level of every model is kept
+    as one tensor whose transpose is the points; the fit is the one from separate tensors."""
+    from fedfuse.fusion.neuron_interpolation.methods import NeuronInterpolation
+
+    spec = mlp_spec((1, 4, 4), 3, (16, 12))
+    models = [build_model(spec, seed=seed) for seed in range(6)]
+    inputs = FusionInputs(data=randn(1, samples, 1, 4, 4))
+    options = {"kmeans_variance": 0.999, "ridge": 0.01}
+    shared = make_fusion_method("kf-linear", **options).fuse(models, inputs)
+    assert shared.details["levels"][0]["route"] == route
+    original = NeuronInterpolation._stream_level
+
+    def separate(self, streams, captured, mappings, index, fused):
+        assert original(self, streams, captured, mappings, index, fused) is not None or (
+            index == fused.neuron_levels[-1]
+        )
+        return None  # the levels stay in the captures, the fit concatenates them itself
+
+    monkeypatch.setattr(NeuronInterpolation, "_stream_level", separate)
+    alone = make_fusion_method("kf-linear", **options).fuse(models, inputs)
+    for name, value in shared.model.state_dict().items():
+        assert torch.allclose(alone.model.state_dict()[name], value, atol=1e-6), name

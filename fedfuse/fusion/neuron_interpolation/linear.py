@@ -51,11 +51,14 @@ def fit_linear(
     batch_size_capture: int,
     name: str,
     fit_bias: bool | str = "auto",
+    columns: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Fit the affine ``level`` (inputs ``x``) in closed form to the weighted centres of the
     base ``outputs``' groups (``labels``, or ``group`` them in the design's basis); return the
     level's details (costs, rank, ridge and how it was chosen, route, intercept) and the
-    ``labels``; ``fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`."""
+    ``labels``; ``fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`. ``columns``, when
+    given, holds the vector ``outputs`` side by side (they are its column blocks), which spares
+    concatenating them again."""
     view = affine_view(level)
     if view is None:
         raise ValueError(
@@ -71,7 +74,9 @@ def fit_linear(
     basis: LeastSquaresBasis | GramSpectrum | KernelSpectrum
     if rows >= view.fan_in:
         base_chunks = (
-            torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1)
+            columns[s : s + chunk]
+            if columns is not None
+            else torch.cat([output_rows(o[s : s + chunk]) for o in outputs], 1)
             for s in range(0, len(x), chunk)
         )
         gram, xtz, norms = accumulate_normal_equations(
@@ -93,7 +98,9 @@ def fit_linear(
             basis = kernel_basis(design, rcond=rcond, ridge=ridge)
         del design
         # the identity is the basis: the coordinates are the base outputs themselves
-        points = torch.cat([output_rows(o).T for o in outputs])
+        points = (
+            columns.T if columns is not None else torch.cat([output_rows(o).T for o in outputs])
+        )
         norms = None
     # Kernel-route points are float32 (as captured); every sum is float64 either way.
     w64 = weights.double()

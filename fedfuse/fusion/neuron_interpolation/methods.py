@@ -40,7 +40,7 @@ from fedfuse.fusion.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.neuron_interpolation.structure import check_structure
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
-from fedfuse.models.capture import LevelStream
+from fedfuse.models.capture import LevelIO, LevelStream
 from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import release_free_memory, resolve_device
 
@@ -86,6 +86,9 @@ class _LevelFit:
     k: int
     captured: list[dict[int, Any]]
     mappings: list[dict[int, int]]
+    #: every model's outputs side by side (``samples x sum(widths)``; ``outputs`` are its
+    #: column blocks) when the level is a linear one of many models, else None
+    columns: torch.Tensor | None = None
 
 
 class NeuronInterpolation(FusionMethod):
@@ -388,6 +391,7 @@ class NeuronInterpolation(FusionMethod):
                 batch_size_capture=self.batch_size_capture,
                 name=self.name,
                 fit_bias=self.fit_bias,
+                columns=fit.columns,
             )
         if self.approximation == "gradient":
             start = {key: info[key] for key in ("representation_cost",) if key in info}
@@ -461,6 +465,42 @@ class NeuronInterpolation(FusionMethod):
         )
         return info
 
+    def _stream_level(
+        self,
+        streams: list[LevelStream],
+        captured: list[dict[int, Any]],
+        mappings: list[dict[int, int]],
+        index: int,
+        fused: LeveledModel,
+    ) -> torch.Tensor | None:
+        """Every base model's level ``index`` into ``captured``. When K-means will cluster the
+        level's neurons on principal coordinates (many models) and its outputs are vectors,
+        they are written side by side into one tensor, returned, whose transpose is the
+        neurons as points without a second copy (the kernel route's points)."""
+        first = streams[0].level(mappings[0][index])
+        widths = [s.model.level_width(mp[index]) for s, mp in zip(streams, mappings, strict=True)]
+        many = first.outputs.dim() == 2 and self.grouping == "kmeans"
+        if not many or not resolve_variance(
+            self.kmeans_variance, sum(widths), fused.level_width(index)
+        ):
+            captured[0][index] = first
+            rest = zip(streams[1:], captured[1:], mappings[1:], strict=True)
+            for stream, capture, mapping in rest:
+                capture[index] = stream.level(mapping[index])
+            return None
+        shape = (len(first.outputs), sum(widths))
+        columns = first.outputs.new_empty(shape)
+        offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
+        blocks = [columns[:, offsets[n] : offsets[n + 1]] for n in range(len(streams))]
+        blocks[0].copy_(first.outputs)
+        streams[0].keep(blocks[0])
+        captured[0][index] = LevelIO(first.inputs, blocks[0])
+        del first
+        for number in range(1, len(streams)):
+            level = streams[number].level(mappings[number][index], out=blocks[number])
+            captured[number][index] = level
+        return columns
+
     # ------------------------------------------------------------------ the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
@@ -517,13 +557,12 @@ class NeuronInterpolation(FusionMethod):
                     x = level(x)
                 continue
             started = time.perf_counter()
-            for stream, capture, mapping in zip(streams, captured, mappings, strict=True):
-                capture[index] = stream.level(mapping[index])
+            columns = self._stream_level(streams, captured, mappings, index, fused)
             outputs = [c[index].outputs for c in captured]
             widths = [o.shape[1] for o in outputs]
             is_head = index == neuron_levels[-1]
             k = fused.level_width(index)
-            fit = _LevelFit(index, level, x, outputs, widths, k, captured, mappings)
+            fit = _LevelFit(index, level, x, outputs, widths, k, captured, mappings, columns)
             if is_head:
                 info = self._fit_head(fit, models, heads, fused, inputs, device)
             else:
@@ -535,7 +574,7 @@ class NeuronInterpolation(FusionMethod):
             info.pop("labels", None)
             for capture in captured:  # this level's base outputs are not needed again
                 del capture[index]
-            del outputs, fit
+            del outputs, fit, columns
             release_free_memory()
             with torch.no_grad():
                 x = level(x)
