@@ -8,6 +8,7 @@ from fedfuse.models import (
     build_model,
     corresponding_levels,
     make_spec,
+    mlp_spec,
     parameter_shapes,
 )
 from fedfuse.models.affine import affine_view, output_rows
@@ -226,3 +227,19 @@ def test_a_level_stream_gives_the_captured_levels_one_at_a_time():
         assert torch.equal(level.inputs, captured[index].inputs)
     with pytest.raises(ValueError, match="levels come in order"):
         stream.level(1)
+
+
+def test_a_level_stream_may_write_its_next_level_over_the_tensor_it_goes_on_from():
+    """Writing a level's outputs over the last level's (``out`` is the tensor the stream goes
+    on from, as many models' equal-width levels share one) gives the captured values."""
+    spec = mlp_spec((1, 4, 4), 3, (8, 8, 8))
+    model = build_model(spec, seed=0)
+    x = torch.randn(10, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    captured = capture_levels(model, x, batch_size=3, device="cpu")
+    stream = LevelStream(model, x, batch_size=3, device="cpu", keep_inputs=False)
+    neurons = [i for i, level in enumerate(model.levels) if captured[i].outputs.shape == (10, 8)]
+    shared = torch.empty(10, 8)
+    for index in neurons:
+        level = stream.level(index, out=shared)
+        assert level.outputs.data_ptr() == shared.data_ptr()
+        assert torch.allclose(shared, captured[index].outputs, atol=1e-6), index

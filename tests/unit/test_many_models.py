@@ -239,13 +239,19 @@ def test_merge_many_aligns_permuted_copies_of_noisy_units():
         assert torch.equal(p[q], torch.arange(10))
 
 
-@pytest.mark.parametrize(("samples", "route"), [(12, "kernel"), (40, "gram")])
-def test_many_models_levels_side_by_side_fit_as_the_levels_one_by_one(monkeypatch, samples, route):
+@pytest.mark.parametrize(
+    ("samples", "route", "hidden"),
+    [(12, "kernel", (16, 12)), (40, "gram", (16, 12)), (12, "kernel", (16, 16, 16))],
+)
+def test_many_models_levels_side_by_side_fit_as_the_levels_one_by_one(
+    monkeypatch, samples, route, hidden
+):
     """When K-means clusters on principal coordinates, a linear level of every model is kept
-    as one tensor whose transpose is the points; the fit is the one from separate tensors."""
+    as one tensor whose transpose is the points (equal widths: the last level's tensor,
+    overwritten); the fit is the one from separate tensors."""
     from fedfuse.fusion.neuron_interpolation.methods import NeuronInterpolation
 
-    spec = mlp_spec((1, 4, 4), 3, (16, 12))
+    spec = mlp_spec((1, 4, 4), 3, hidden)
     models = [build_model(spec, seed=seed) for seed in range(6)]
     inputs = FusionInputs(data=randn(1, samples, 1, 4, 4))
     options = {"kmeans_variance": 0.999, "ridge": 0.01}
@@ -253,7 +259,8 @@ def test_many_models_levels_side_by_side_fit_as_the_levels_one_by_one(monkeypatc
     assert shared.details["levels"][0]["route"] == route
     original = NeuronInterpolation._stream_level
 
-    def separate(self, streams, captured, mappings, index, fused):
+    def separate(self, streams, captured, mappings, index, fused, previous=None):
+        assert previous is None
         assert original(self, streams, captured, mappings, index, fused) is not None or (
             index == fused.neuron_levels[-1]
         )

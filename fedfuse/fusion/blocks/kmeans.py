@@ -312,7 +312,9 @@ def principal_coordinates(
     variance (Ding & He, 2004), at a fraction of the cost of every Lloyd iteration.
     """
     w = weights.to(points.dtype)
-    blocks = [slice(s, s + _BLOCK_ROWS) for s in range(0, len(points), _BLOCK_ROWS)]
+    # blocks of a quarter of the usual rows: their temporaries sit beside every point
+    step = max(_BLOCK_ROWS // 4, 1)
+    blocks = [slice(s, s + step) for s in range(0, len(points), step)]
     mean = sum((w[rows, None] * points[rows]).sum(0, dtype=torch.float64) for rows in blocks)
     mean = mean / weights.double().sum().clamp_min(1e-300)
     covariance = torch.zeros(points.shape[1], points.shape[1], dtype=torch.float64)
@@ -320,13 +322,17 @@ def principal_coordinates(
     for rows in blocks:  # products in the points' precision, sums in float64
         centred = points[rows] - mean.to(points.dtype)
         covariance += ((centred * w[rows, None]).T @ centred).double()
+    del centred
     eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
     eigenvalues = eigenvalues.flip(0).clamp_min(0)
     kept = eigenvalues.cumsum(0) / eigenvalues.sum().clamp_min(1e-300)
     dims = min(int((kept < variance).sum()) + 1, points.shape[1])
     basis = eigenvectors.flip(1)[:, :dims].to(points.dtype)
     shift = mean.to(points.dtype) @ basis
-    return torch.cat([points[rows] @ basis - shift for rows in blocks])
+    coordinates = points.new_empty(len(points), dims)
+    for rows in blocks:  # written in place: no list of blocks to concatenate
+        torch.matmul(points[rows], basis, out=coordinates[rows]).sub_(shift)
+    return coordinates
 
 
 def weighted_kmeans(
@@ -398,6 +404,7 @@ def weighted_kmeans(
             tol=tol,
         )
     if features is not points:
+        del features  # the coordinates are as large as a fifth of the points, or more
         best.centers, _ = weighted_centers(points, w, best.labels, k)
         best.cost = weighted_kmeans_cost(points, w, best.labels, best.centers)
     return best

@@ -472,11 +472,16 @@ class NeuronInterpolation(FusionMethod):
         mappings: list[dict[int, int]],
         index: int,
         fused: LeveledModel,
+        previous: tuple[torch.Tensor, list[int]] | None = None,
     ) -> torch.Tensor | None:
         """Every base model's level ``index`` into ``captured``. When K-means will cluster the
         level's neurons on principal coordinates (many models) and its outputs are vectors,
         they are written side by side into one tensor, returned, whose transpose is the
-        neurons as points without a second copy (the kernel route's points)."""
+        neurons as points without a second copy (the kernel route's points).
+
+        ``previous`` is the last level's such tensor and its models' widths. When every model's
+        width is the same again, each model's block is overwritten by its new outputs once its
+        stream has read it, so two levels of a thousand models are never held at once."""
         first = streams[0].level(mappings[0][index])
         widths = [s.model.level_width(mp[index]) for s, mp in zip(streams, mappings, strict=True)]
         many = first.outputs.dim() == 2 and self.grouping == "kmeans"
@@ -489,7 +494,13 @@ class NeuronInterpolation(FusionMethod):
                 capture[index] = stream.level(mapping[index])
             return None
         shape = (len(first.outputs), sum(widths))
-        columns = first.outputs.new_empty(shape)
+        reuse = (
+            previous is not None
+            and previous[1] == widths
+            and previous[0].shape == shape
+            and not any(s.keep_inputs for s in streams)  # kept inputs are views of previous
+        )
+        columns = previous[0] if reuse and previous else first.outputs.new_empty(shape)
         offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
         blocks = [columns[:, offsets[n] : offsets[n + 1]] for n in range(len(streams))]
         blocks[0].copy_(first.outputs)
@@ -549,6 +560,7 @@ class NeuronInterpolation(FusionMethod):
         if self.approximation == "gradient":
             details["gradient"] = asdict(self.gradient_settings())
         x = data.to(device)
+        previous: tuple[torch.Tensor, list[int]] | None = None
         bar = tqdm(range(fused.num_levels), desc=self.name, disable=not self.progress, leave=False)
         for index in bar:
             level = fused.levels[index]
@@ -557,7 +569,7 @@ class NeuronInterpolation(FusionMethod):
                     x = level(x)
                 continue
             started = time.perf_counter()
-            columns = self._stream_level(streams, captured, mappings, index, fused)
+            columns = self._stream_level(streams, captured, mappings, index, fused, previous)
             outputs = [c[index].outputs for c in captured]
             widths = [o.shape[1] for o in outputs]
             is_head = index == neuron_levels[-1]
@@ -574,6 +586,7 @@ class NeuronInterpolation(FusionMethod):
             info.pop("labels", None)
             for capture in captured:  # this level's base outputs are not needed again
                 del capture[index]
+            previous = None if columns is None else (columns, widths)
             del outputs, fit, columns
             release_free_memory()
             with torch.no_grad():
