@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import logging
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from fedfuse.federation.contract import SiteRefusal
+from fedfuse.federation.policy import SitePolicy
 from fedfuse.federation.site import (
     answer_statistics_request,
     check_site_data,
+    check_site_policy,
     finetune_site,
+    load_site_data,
     train_site,
 )
 from fedfuse.federation.site_cache import run_site_cache
-from fedfuse.runtime import configure_logging
+from fedfuse.runtime import configure_logging, release_free_memory
 from fedfuse.settings.run import RunSettings
 
 from .records import (
@@ -79,6 +82,26 @@ def site_identity(context: Context) -> tuple[int, int, str | None]:
     return partition_id, num_partitions, data_path
 
 
+def site_policy(context: Context) -> SitePolicy:
+    """What the site agrees to send, from its node config
+    (:class:`~fedfuse.federation.policy.SitePolicy`; everything when it states nothing)."""
+    return SitePolicy.from_node_config(
+        context.node_config, where=f"node {context.node_id}: node config"
+    )
+
+
+#: where a site counts the statistics rounds it answered in this run (its Context's state)
+_ROUNDS_RECORD = "fedfuse.policy"
+
+
+def _count_round(context: Context) -> int:
+    """The statistics rounds this site answered in this run before this one; counts this one."""
+    record = context.state.config_records.get(_ROUNDS_RECORD)
+    answered = int(record["statistics-rounds"]) if record is not None else 0
+    context.state.config_records[_ROUNDS_RECORD] = ConfigRecord({"statistics-rounds": answered + 1})
+    return answered
+
+
 def _cannot_take_part(msg: Message, error: Exception, name: str, partition_id: int) -> Message:
     """The reply of a site that refuses (its data breaks the contract) or failed."""
     if isinstance(error, SiteRefusal):
@@ -102,6 +125,7 @@ def train_and_upload(msg: Message, context: Context) -> Message:
         partition_id, num_partitions, data_path = site_identity(context)
         settings = RunSettings.from_config(context.run_config)
         request = unpack_train_request(msg.content)
+        policy = site_policy(context)
         upload = train_site(
             settings,
             partition_id,
@@ -112,9 +136,12 @@ def train_and_upload(msg: Message, context: Context) -> Message:
             cache=run_site_cache(settings, partition_id, num_partitions, data_path),
             contract=request.contract,
             site_name=name,
+            policy=policy,
         )
     except Exception as error:  # the server is told which site cannot take part, and why
         return _cannot_take_part(msg, error, name, partition_id)
+    finally:  # a simulation's worker trains site after site: hand back what this one freed
+        release_free_memory()
     return Message(content=pack_upload(upload), reply_to=msg)
 
 
@@ -129,15 +156,22 @@ def check_contract(msg: Message, context: Context) -> Message:
         partition_id, num_partitions, data_path = site_identity(context)
         settings = RunSettings.from_config(context.run_config)
         contract = unpack_contract(msg.content, what="the server's check")
+        policy = site_policy(context)
+        samples = 0  # the site's size matters to its policy only with a minimum of rows
         if contract is not None:
-            check_site_data(
-                settings,
-                contract,
-                partition_id,
-                num_partitions,
-                data_path=data_path,
-                site_name=name,
+            samples = len(
+                check_site_data(
+                    settings,
+                    contract,
+                    partition_id,
+                    num_partitions,
+                    data_path=data_path,
+                    site_name=name,
+                )
             )
+        elif policy.min_statistic_rows:
+            samples = len(load_site_data(settings, partition_id, num_partitions, data_path))
+        check_site_policy(settings, policy, samples)
     except Exception as error:  # the server is told which site cannot take part, and why
         return _cannot_take_part(msg, error, name, partition_id)
     return Message(content=pack_site_ready(site_name=name, partition_id=partition_id), reply_to=msg)
@@ -150,10 +184,25 @@ def statistics_round(msg: Message, context: Context) -> Message:
     configure_logging()
     settings = RunSettings.from_config(context.run_config)
     partition_id, num_partitions, data_path = site_identity(context)
+    policy = site_policy(context)
     request, model = unpack_statistics_request(msg.content)
-    statistics = answer_statistics_request(
-        settings, request, model, partition_id, num_partitions, data_path=data_path
-    )
+    try:
+        policy.check_round("rounds", _count_round(context))
+        statistics = answer_statistics_request(
+            settings,
+            request,
+            model,
+            partition_id,
+            num_partitions,
+            data_path=data_path,
+            policy=policy,
+        )
+    except SiteRefusal as refusal:  # the server is told why, and sends this site no more
+        log.error("refusing a statistics round: %s", refusal)
+        content = pack_no_upload(
+            "refused", str(refusal), site_name=site_name(context), partition_id=partition_id
+        )
+        return Message(content=content, reply_to=msg)
     return Message(content=pack_statistics(statistics), reply_to=msg)
 
 

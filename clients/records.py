@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.privacy import GaussianStatistics
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.io.validation import model_from_state
 from fedfuse.models import LeveledModel, ModelSpec
@@ -152,7 +153,6 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
                     "num-partitions": upload.num_partitions,
                     "site-name": upload.site_name,
                     "ray-node": upload.ray_node,
-                    "class-counts": [int(c) for c in upload.class_counts],
                     "model-spec": json.dumps(upload.model.spec.to_dict()),
                     "score-method": upload.score_method,
                     "init": upload.init,
@@ -160,6 +160,8 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
             ),
         }
     )
+    if upload.class_counts is not None:  # None: the site's policy keeps them
+        content.config_records[SITE_KEY]["class-counts"] = [int(c) for c in upload.class_counts]
     if upload.grams is not None:
         content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in upload.grams.items()})
     return content
@@ -196,6 +198,16 @@ def pack_statistics_request(request: StatisticsRequest, model: LeveledModel) -> 
                     "seed": request.seed,
                     "gram-rank": -1 if request.gram_rank is None else request.gram_rank,
                     "piece": request.piece,
+                    # the mechanism, never its noise seed: the site draws its own noise
+                    **(
+                        {
+                            "dp-noise-multiplier": request.privacy.noise_multiplier,
+                            "dp-clip": request.privacy.clip,
+                            "dp-target-scale": request.privacy.target_scale,
+                        }
+                        if request.privacy is not None
+                        else {}
+                    ),
                 }
             ),
         }
@@ -214,6 +226,13 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         dtype, seed = str(config["dtype"]), int(config["seed"])
         gram_rank = int(config.get("gram-rank", -1))
         piece = int(config.get("piece", 0))
+        privacy = None
+        if "dp-noise-multiplier" in config:
+            privacy = GaussianStatistics(
+                float(config["dp-noise-multiplier"]),
+                float(config["dp-clip"]),
+                target_scale=float(config.get("dp-target-scale", 1.0)),
+            )
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"malformed statistics request ({error!r})") from None
     fused = model_from_state(fused_spec, fused_state, source="the fused model of the request")
@@ -228,6 +247,7 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         seed,
         None if gram_rank < 0 else gram_rank,
         piece=piece,
+        privacy=privacy,
     )
     return request, model
 

@@ -572,6 +572,8 @@ class OneShotFusion(Strategy):
             )
         if inputs.sites is not None:
             self.problems.extend(inputs.sites.problems)
+            for index, reason in getattr(inputs.sites, "refused", {}).items():
+                self.roster.refuse_statistics(entries[index].partition_id, reason)
         primary = next(iter(self.results.values()))
         metrics = MetricRecord(
             {

@@ -45,10 +45,11 @@ class SiteDidNotUpload(ContributionError):
     """A site answered without an upload: ``kind`` ``"refused"`` (its data breaks the run's
     contract; it trained nothing) or ``"failed"`` (an error at the site)."""
 
-    def __init__(self, message: str, kind: str, site: str = "") -> None:
+    def __init__(self, message: str, kind: str, site: str = "", reason: str = "") -> None:
         super().__init__(message)
         self.kind = kind
         self.site = site
+        self.reason = reason or message
 
 
 _PRINTABLE = re.compile(r"[^\w .,:;@/()+=#'-]")
@@ -91,7 +92,9 @@ def site_answer(msg: Message) -> SiteDidNotUpload | None:
     kind = "refused" if str(no_upload.get("kind")) == "refused" else "failed"
     reason = short_reason(str(no_upload.get("reason", "")), limit=1000)
     verb = "refused to train" if kind == "refused" else "the client failed"
-    return SiteDidNotUpload(f"{describe_sender(msg)}: {verb}: {reason}", kind, sender_name(msg))
+    return SiteDidNotUpload(
+        f"{describe_sender(msg)}: {verb}: {reason}", kind, sender_name(msg), reason
+    )
 
 
 def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bool) -> ClientUpload:
@@ -124,9 +127,14 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
     scores = _scores(content, model, source)
     if scores is None and require_scores:
         raise ContributionError(f"{source}: sent no importance scores, and the strategy needs them")
-    num_examples, counts = validate_site_facts(
-        metrics.get("num-examples"), site.get("class-counts"), spec.num_classes, source=source
-    )
+    if "class-counts" in site:
+        num_examples, counts = validate_site_facts(
+            metrics.get("num-examples"), site["class-counts"], spec.num_classes, source=source
+        )
+    else:  # the site's policy keeps its case mix (send-class-counts=false)
+        num_examples, counts = as_count(metrics.get("num-examples"), "num-examples", source), None
+        if num_examples < 1:
+            raise ContributionError(f"{source}: num-examples must be >= 1, got {num_examples}")
     partition_id, num_partitions = validate_partition(
         site.get("partition-id"), site.get("num-partitions"), source=source
     )

@@ -15,6 +15,12 @@ class SiteRoster:
 
     def __init__(self) -> None:
         self.dropped: list[dict[str, Any]] = []
+        #: partition id -> why a site that uploaded refused a statistics round (its policy)
+        self.statistics_refused: dict[int, str] = {}
+
+    def refuse_statistics(self, partition_id: int, reason: str) -> None:
+        """Record that the site of ``partition_id`` refused a statistics round, and why."""
+        self.statistics_refused.setdefault(partition_id, reason)
 
     def drop(
         self,
@@ -47,6 +53,11 @@ class SiteRoster:
                 "status": "uploaded",
                 "num_examples": entry.num_examples,
                 **({"ray_node": entry.facts["ray_node"]} if entry.facts.get("ray_node") else {}),
+                **(
+                    {"statistics": f"refused: {self.statistics_refused[entry.partition_id]}"}
+                    if entry.partition_id in self.statistics_refused
+                    else {}
+                ),
             }
             for entry in uploaded
         ]

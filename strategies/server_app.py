@@ -256,7 +256,12 @@ class OneShotRun:
         self.phase = "report"
         self.report["class_counts"] = [e.class_counts for e in entries]
         self.save()
-        plot_class_counts(np.asarray(self.report["class_counts"]), self.out / "class_counts.png")
+        kept = [e.source for e in entries if e.class_counts is None]
+        if kept:  # their policy keeps their case mix (send-class-counts=false)
+            log.info("no class_counts.png: %s sent no class counts", ", ".join(kept))
+        else:
+            counts = np.asarray(self.report["class_counts"])
+            plot_class_counts(counts, self.out / "class_counts.png")
         for name, result in strategy.results.items():
             log.info("%s per level:\n%s", name, format_level_summary(result))
         log.info(

@@ -29,7 +29,7 @@ from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
 
 from .messaging import replies_by_site
-from .replies import short_reason
+from .replies import short_reason, site_answer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class FlowerSites:
         self.timeout = timeout
         self.max_in_flight = max_in_flight
         self._problems: list[str] = []
+        #: model index -> why its site refused a statistics round (its policy); it is asked no
+        #: more in this run
+        self.refused: dict[int, str] = {}
         #: per round: the level and the seconds it took
         self.rounds: list[dict[str, float]] = []
 
@@ -78,25 +81,26 @@ class FlowerSites:
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
 
         started = time.monotonic()
+        asked = [index for index in range(len(self.nodes)) if index not in self.refused]
         messages = [
             Message(
                 content=pack_statistics_request(request, self.models[index]),
                 message_type=STATISTICS_MESSAGE,
-                dst_node_id=node,
+                dst_node_id=self.nodes[index],
             )
-            for index, node in enumerate(self.nodes)
+            for index in asked
         ]
         answers: list[SiteStatistics | None] = [None] * len(self.nodes)
         replies = replies_by_site(
             self.grid,
             messages,
-            self.nodes,
+            [self.nodes[index] for index in asked],
             self.timeout,
-            lambda index: self._note(index, "no statistics before the reply timeout"),
+            lambda position: self._note(asked[position], "no statistics before the reply timeout"),
             max_in_flight=self.max_in_flight,
         )
-        for index, reply in replies:
-            answers[index] = self._decode(reply, index, request)
+        for position, reply in replies:
+            answers[asked[position]] = self._decode(reply, asked[position], request)
         self.rounds.append(
             {"level": request.level, "piece": request.piece, "seconds": time.monotonic() - started}
         )
@@ -116,6 +120,13 @@ class FlowerSites:
         name = self.names[index]
         if reply.has_error():
             self._note(index, f"the client failed: {short_reason(reply.error.reason)}")
+            return None
+        answer = site_answer(reply)
+        if answer is not None:  # the site said why it sends nothing (e.g. its policy)
+            reason = short_reason(answer.reason, limit=1000)
+            if answer.kind == "refused":
+                self.refused[index] = reason
+            self._note(index, f"{answer.kind}: {reason}")
             return None
         try:
             statistics = unpack_statistics(reply.content, source=name)

@@ -26,8 +26,8 @@ class SitesGrid:
     """A Grid whose sites are fedfuse's real ClientApp handlers, called in this process.
 
     ``sites`` maps node ids to node configs; each pushed message is answered by the ClientApp's
-    handler of its type (``train_and_upload``, ``check_contract``) with that node's config and
-    ``run_config`` (``handler`` replaces the train handler).
+    handler of its type (``train_and_upload``, ``check_contract``, ``statistics_round``) with
+    that node's config and ``run_config`` (``handler`` replaces the train handler).
     ``pushed`` records every message the server sent, so a test can tell that a check came
     before any site was asked to train.
     """
@@ -53,7 +53,7 @@ class SitesGrid:
         return [m.metadata.dst_node_id for m in self.pushed if m.metadata.message_type == "train"]
 
     def push_messages(self, messages):
-        from fedfuse.clients.client_app import check_contract, train_and_upload
+        from fedfuse.clients.client_app import check_contract, statistics_round, train_and_upload
 
         ids = []
         for msg in messages:
@@ -62,6 +62,8 @@ class SitesGrid:
             self.pushed.append(msg)
             if msg.metadata.message_type == "query.contract":
                 handler = check_contract
+            elif msg.metadata.message_type == "query.statistics":
+                handler = statistics_round
             else:
                 handler = self.handler or train_and_upload
             self._outstanding[mid] = handler(msg, self.contexts[msg.metadata.dst_node_id])

@@ -323,7 +323,8 @@ def format_run_summary(report: Mapping[str, Any]) -> str:
     }
     evaluation = report["accuracy"]
     text = format_accuracy_table(evaluation, costs, method_cost((), clients))
-    counts = report.get("class_counts") or [c.get("class_counts", []) for c in clients]
-    num_classes = len(counts[0]) if counts and counts[0] else 0
+    counts = report.get("class_counts") or [c.get("class_counts") for c in clients]
+    sent = [c for c in counts if c]  # a site's policy may keep its counts
+    num_classes = len(sent[0]) if sent else 0
     warnings = summary_warnings(evaluation, num_classes) if num_classes else []
     return "\n".join([text, *warnings])

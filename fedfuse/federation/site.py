@@ -24,11 +24,13 @@ import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
 from fedfuse.federation.contract import DataContract
+from fedfuse.federation.policy import SitePolicy, requested_statistics
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
 from fedfuse.models.importance import Scores, importance_scores
@@ -74,6 +76,7 @@ def train_site(
     cache: TrainedSiteCache | None = None,
     contract: DataContract | None = None,
     site_name: str = "",
+    policy: SitePolicy | None = None,
 ) -> ClientUpload:
     """Train the site's model and score its neurons on the site's own data.
 
@@ -91,9 +94,11 @@ def train_site(
         contract: the run's data contract: the site's data is checked against it before
             anything is trained (None: no check).
         site_name: the site's name, for its logs and its upload ("": ``client <id>``).
+        policy: what the site agrees to send (its node config; None: everything asked).
 
     Raises:
-        SiteRefusal: the site's data breaks ``contract`` (nothing was trained).
+        SiteRefusal: the site's data breaks ``contract``, or the run asks for more than
+            ``policy`` allows (nothing was trained), or a Gram breaks ``policy``.
     """
     limit_threads(settings.threads)
     seed = client_seed(settings, partition_id)
@@ -115,6 +120,8 @@ def train_site(
     if contract is not None and (data_path or cached is None):
         where = f" ({data_path})" if data_path else ""
         contract.check(site_data(), source=f"{name}'s data{where}")
+    if policy is not None:
+        check_site_policy(settings, policy, len(site_data()), send_grams=send_grams)
     if cached is not None:
         log.info("%s: trained model loaded from %s", name, cache)
         model, facts = cached.model, cached.facts
@@ -138,6 +145,12 @@ def train_site(
         if grams is None:
             grams = level_grams(model, site_data().inputs(), factor=True)
             clock.lap("grams")
+        if policy is not None:
+            for level, gram in grams.items():
+                rows = gram.shape[0] if is_gram_factor(gram) else gram.shape[1]
+                policy.check_statistic(
+                    f"the Gram of level {level}", int(facts["num_examples"]), rows, gram.shape[1]
+                )
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
         entry = TrainedSite(model, facts, dict(cached.scores) if cached else {}, kept)
@@ -147,7 +160,9 @@ def train_site(
         model=model.cpu(),
         scores=scores,
         num_examples=int(facts["num_examples"]),
-        class_counts=[int(c) for c in facts["class_counts"]],
+        class_counts=[int(c) for c in facts["class_counts"]]
+        if policy is None or policy.send_class_counts
+        else None,
         partition_id=partition_id,
         num_partitions=num_partitions,
         score_method=settings.score_method,
@@ -184,6 +199,19 @@ def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tenso
     return dataset.inputs(index), dataset.labels[index]
 
 
+def check_site_policy(
+    settings: RunSettings, policy: SitePolicy, samples: int, *, send_grams: bool | None = None
+) -> None:
+    """Refuse (:class:`~fedfuse.federation.contract.SiteRefusal`) a run whose methods or
+    statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``
+    is what the server's train message asks (None: what the run's methods read)."""
+    methods = settings.fusion_methods()
+    statistics = requested_statistics(methods)
+    if send_grams is not None:
+        statistics = (statistics - {"grams"}) | ({"grams"} if send_grams else set())
+    policy.check_run(settings.method_names(), statistics, samples)
+
+
 def check_site_data(
     settings: RunSettings,
     contract: DataContract,
@@ -218,17 +246,27 @@ def answer_statistics_request(
     num_partitions: int,
     *,
     data_path: str | None = None,
+    policy: SitePolicy | None = None,
 ) -> SiteStatistics:
     """One statistics round of a site: the statistics of its own model and the fused prefix on
-    its own training data (:func:`~fedfuse.fusion.site_statistics.site_statistics`)."""
+    its own training data (:func:`~fedfuse.fusion.site_statistics.site_statistics`). A
+    statistic that breaks the site's ``policy`` is refused
+    (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
     limit_threads(settings.threads)
     data = load_site_data(settings, partition_id, num_partitions, data_path)
+    samples = min(len(data), request.max_samples or len(data))
+    what = f"the statistics of level {request.level} piece {request.piece}"
+    if policy is not None:  # before anything is computed; the rows after
+        policy.check_statistic(what, samples, rows=samples, columns=0)
     if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
         raise ValueError(
             f"client {partition_id}: its data has samples of shape "
             f"{tuple(data.inputs().shape[1:])}, the model takes {tuple(model.spec.input_shape)}"
         )
     statistics = site_statistics(model, data.inputs(), request, device=settings.device)
+    if policy is not None:
+        columns = request.linear_piece.fan_in(request.fused.levels[request.level])
+        policy.check_statistic(what, samples, statistics.rows, columns)
     log.info(
         "client %d: statistics of level %d on %d rows in %.1f s",
         partition_id,

@@ -44,11 +44,17 @@ from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.blocks.kmeans import resolve_variance, weighted_centers, weighted_kmeans
-from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, ridge_fit
+from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, cholesky_upper, ridge_fit
 from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
+from fedfuse.fusion.privacy import (
+    GaussianStatistics,
+    calibrate_noise,
+    fusion_set_mechanism,
+    spent_epsilon,
+)
 from fedfuse.fusion.site_statistics import (
     STATISTICS_DTYPES,
     SiteChannel,
@@ -95,6 +101,12 @@ class SiteInterpolation(FusionMethod):
             (:func:`~fedfuse.fusion.blocks.kmeans.resolve_variance`).
         seed: seeds k-means, the fused model's unused parameters and the sites' subsets.
         progress: show a progress bar over levels.
+        dp_epsilon, dp_delta: differentially private statistics (:mod:`fedfuse.fusion.privacy`):
+            the noise is calibrated so that all rounds spend at most this budget. None: exact;
+            ``inf``: clipping only. The uploaded weights and scores are not covered.
+        dp_clip: bound on a sample's norm over its rows ``[x, z]``; None: chosen on the fusion
+            set (:func:`~fedfuse.fusion.privacy.fusion_set_mechanism`), which is then needed.
+        dp_noise_seed: seeds the noise with :class:`LocalSites` (reproducible simulations).
     """
 
     name = "site-interpolation"
@@ -121,6 +133,10 @@ class SiteInterpolation(FusionMethod):
         tol: float = 1e-4,
         seed: int = 0,
         progress: bool = False,
+        dp_epsilon: float | None = None,
+        dp_delta: float = 1e-5,
+        dp_clip: float | None = None,
+        dp_noise_seed: int | None = None,
     ) -> None:
         if grouping not in ("hungarian", "kmeans"):
             raise ValueError(f"grouping must be 'hungarian' or 'kmeans', got {grouping!r}")
@@ -145,6 +161,18 @@ class SiteInterpolation(FusionMethod):
         self.tol = tol
         self.seed = seed
         self.progress = progress
+        if dp_epsilon is not None:
+            calibrate_noise(float(dp_epsilon), dp_delta, 1)  # ValueError now, naming the value
+            if dp_clip is not None and not dp_clip > 0:
+                raise ValueError(f"dp_clip must be > 0 or None, got {dp_clip}")
+        self.dp_epsilon = None if dp_epsilon is None else float(dp_epsilon)
+        self.dp_delta = dp_delta
+        self.dp_clip = dp_clip
+        self.dp_noise_seed = dp_noise_seed
+
+    def requirements(self) -> frozenset[str]:
+        private_without_clip = self.dp_epsilon is not None and self.dp_clip is None
+        return frozenset(self.requires) | ({"data"} if private_without_clip else set())
 
     def needs(self) -> frozenset[str]:
         return self.requirements() | ({"scores"} if self.use_scores else set())
@@ -214,15 +242,51 @@ class SiteInterpolation(FusionMethod):
         details: dict[str, Any] = {"variant": f"{self.grouping}-sites", "levels": [], "rounds": []}
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
         stream: dict[int, torch.Tensor] = {}  # each site's reading of the residual stream
+        self._noise_multiplier, self._clips = None, []
+        if self.dp_epsilon is not None:
+            rounds = sum(len(linear_pieces(fused.levels[i]) or ()) for i in levels)
+            self._noise_multiplier = calibrate_noise(self.dp_epsilon, self.dp_delta, rounds)
+            details["privacy"] = {"rounds": rounds, "clips": self._clips}
         for index in bar:
             pieces = linear_pieces(fused.levels[index])
             assert pieces is not None  # checked by check_architecture
             for number, piece in enumerate(pieces):
+                privacy = self._mechanism(models, fused, (index, number), inputs)
                 active = self._fit_round(
-                    models, sites, fused, scores, index, number, piece, active, details, stream
+                    models,
+                    sites,
+                    fused,
+                    scores,
+                    (index, number, piece),
+                    active,
+                    details,
+                    stream,
+                    privacy,
                 )
+        if self._noise_multiplier is not None:
+            rounds = details["privacy"]["rounds"]
+            details["privacy"].update(
+                noise_multiplier=self._noise_multiplier,
+                delta=self.dp_delta,
+                epsilon=spent_epsilon(self._noise_multiplier, self.dp_delta, rounds),
+                accountant="Opacus RDP",
+            )
         details["problems"] = list(sites.problems)
         return fused, details
+
+    def _mechanism(
+        self, models: list[LeveledModel], fused: LeveledModel, where: tuple[int, int], inputs: Any
+    ) -> GaussianStatistics | None:
+        """The Gaussian mechanism of the statistics of piece ``where = (level, piece)``."""
+        if self._noise_multiplier is None:
+            return None
+        clip, scale = self.dp_clip, 1.0
+        if inputs.data is not None:  # a requirement without dp_clip
+            chosen, scale = fusion_set_mechanism(models, fused, *where, inputs.data)
+            clip = clip or chosen
+        assert clip is not None
+        self._clips.append(clip)
+        return GaussianStatistics(self._noise_multiplier, clip, self.dp_noise_seed, scale)
 
     def _fit_round(
         self,
@@ -230,16 +294,17 @@ class SiteInterpolation(FusionMethod):
         sites: SiteChannel,
         fused: LeveledModel,
         scores: list[dict[int, torch.Tensor]],
-        index: int,
-        number: int,
-        piece: LinearPiece,
+        where: tuple[int, int, LinearPiece],
         active: list[int],
         details: dict[str, Any],
         stream: dict[int, torch.Tensor],
+        privacy: GaussianStatistics | None = None,
     ) -> list[int]:
-        """One statistics round: gather piece ``number`` of level ``index``, fit it and load
-        it into ``fused``; returns the sites still active. ``stream`` holds each site's reading
-        of the residual stream, which a piece adding to it keeps (and others replace)."""
+        """One statistics round: gather piece ``number`` of level ``index`` (``where``), fit it
+        and load it into ``fused``; returns the sites still active. ``stream`` holds each
+        site's reading of the residual stream, which a piece adding to it keeps (and others
+        replace); ``privacy`` is the sites' mechanism."""
+        index, number, piece = where
         started = time.perf_counter()
         request = StatisticsRequest(
             index,
@@ -249,6 +314,7 @@ class SiteInterpolation(FusionMethod):
             self.seed,
             self.gram_rank,
             piece=number,
+            privacy=privacy,
         )
         replies = sites.gather(request)
         collected = time.perf_counter() - started
@@ -453,7 +519,7 @@ class SiteInterpolation(FusionMethod):
     ) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
         """Group the sites' translated neurons; each model's reading ``(width, width_k)``."""
         order = list(statistics)
-        factor = _cholesky_upper(gram)
+        factor = cholesky_upper(gram)
         points = torch.cat([(factor @ statistics[m].translation.double()).T for m in order])
         weights = torch.cat([scores[m].double().cpu() for m in order])
         sizes = [statistics[m].translation.shape[1] for m in order]
@@ -505,19 +571,6 @@ def _number_like_the_stream(
     )
     order = linear_assignment(cost)  # input channel j takes group order[j]
     return {m: reading[order] for m, reading in readings.items()}
-
-
-def _cholesky_upper(gram: torch.Tensor) -> torch.Tensor:
-    """``R`` with ``gram + jitter I = R^T R``, the jitter raised until the factorisation holds."""
-    scale = float(gram.diagonal().mean().clamp_min(1e-300))
-    eye = torch.eye(len(gram), dtype=gram.dtype)
-    jitter = 1e-10 * scale
-    for _ in range(12):
-        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye, upper=True)
-        if int(info) == 0:
-            return factor
-        jitter *= 10
-    raise ValueError("the pooled Gram matrix is not positive semi-definite (NaN statistics?)")
 
 
 @register_fusion_method

@@ -40,6 +40,7 @@ import torch
 
 from fedfuse.fusion.blocks.least_squares import ridge_fit, symmetric_eigh
 from fedfuse.fusion.pieces import LinearPiece, linear_pieces
+from fedfuse.fusion.privacy import GaussianStatistics, clip_samples, noisy_moments
 from fedfuse.models import LeveledModel
 from fedfuse.runtime import resolve_device
 
@@ -63,6 +64,8 @@ class StatisticsRequest:
         seed: seeds the subset.
         gram_rank: send ``gram`` compressed to its top ``gram_rank`` eigenpairs plus an
             isotropic remainder on levels wider than that (None: always in full).
+        privacy: the Gaussian mechanism the site applies to its reply
+            (:mod:`fedfuse.fusion.privacy`; None: exact statistics).
     """
 
     level: int
@@ -72,6 +75,7 @@ class StatisticsRequest:
     seed: int = 0
     gram_rank: int | None = None
     piece: int = 0
+    privacy: GaussianStatistics | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in STATISTICS_DTYPES:
@@ -248,6 +252,12 @@ def site_statistics(
         data = data[torch.randperm(len(data), generator=generator)[: request.max_samples]]
     fan_in, width = piece.fan_in(fused_level), own_pieces[request.piece].width(own_level)
     stream_width = piece.width(fused_level) if piece.stream is not None else 0
+    privacy = request.privacy
+    if privacy is not None and stream_width:
+        raise ValueError(
+            f"level {index} piece {request.piece} adds to the residual stream; differential "
+            "privacy covers affine levels and pieces without a stream only"
+        )
     sums = _Sums(fan_in, width, stream_width, run_on)
     for start in range(0, len(data), batch_size):
         x = data[start : start + batch_size].to(run_on)
@@ -267,7 +277,13 @@ def site_statistics(
             stream = None
             if piece.stream is not None:
                 stream = piece.stream(fused_level, fused_inputs[part]).float()
+            if privacy is not None:  # every sample's rows within the clip, X and Z together
+                rows = torch.cat([design, z * privacy.target_scale], 1)
+                joint = clip_samples(rows, len(x[part]), privacy.clip)
+                design, z = joint[:, :fan_in], joint[:, fan_in:]
             sums.add(design, z, stream)
+    if privacy is not None:
+        sums.add_noise(privacy)
     fit = ridge_fit(sums.gram, sums.cross, sums.target_gram.diagonal(), sums.rows)
     wire = STATISTICS_DTYPES[request.dtype]
     sent, floor = sums.gram, 0.0
@@ -321,6 +337,22 @@ class _Sums:
             self.stream_cross += (x.T @ stream).double()
             self.stream_target += (z.T @ stream).double()
             self.stream_norms += (stream.double() ** 2).sum(0)
+
+    def add_noise(self, mechanism: GaussianStatistics) -> None:
+        """Replace ``gram``, ``cross`` and ``target_gram`` by the blocks of their joint matrix
+        with the mechanism's noise, projected to be positive semi-definite."""
+        fan_in = len(self.gram)
+        joint = torch.cat(
+            [
+                torch.cat([self.gram, self.cross], 1),
+                torch.cat([self.cross.T, self.target_gram], 1),
+            ]
+        )
+        noisy = noisy_moments(joint, mechanism, design=fan_in)
+        scale = mechanism.target_scale  # back to the targets' own units
+        self.gram = noisy[:fan_in, :fan_in].contiguous()
+        self.cross = noisy[:fan_in, fan_in:] / scale
+        self.target_gram = noisy[fan_in:, fan_in:] / scale**2
 
 
 def compress_gram(gram: torch.Tensor, rank: int) -> tuple[torch.Tensor, float]:

@@ -482,3 +482,16 @@ def ridge_fit(
     )
     weights = spectrum.weights(coordinates, choice.ridge)
     return RidgeFit(weights, choice.ridge, tuple(grid), list(choice.scores))
+
+
+def cholesky_upper(gram: torch.Tensor) -> torch.Tensor:
+    """``R`` with ``gram + jitter I = R^T R``, the jitter raised until the factorisation holds."""
+    scale = float(gram.diagonal().mean().clamp_min(1e-300))
+    eye = torch.eye(len(gram), dtype=gram.dtype)
+    jitter = 1e-10 * scale
+    for _ in range(12):
+        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye, upper=True)
+        if int(info) == 0:
+            return factor
+        jitter *= 10
+    raise ValueError("the pooled Gram matrix is not positive semi-definite (NaN statistics?)")

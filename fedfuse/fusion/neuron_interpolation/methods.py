@@ -477,11 +477,10 @@ class NeuronInterpolation(FusionMethod):
         """Every base model's level ``index`` into ``captured``. When K-means will cluster the
         level's neurons on principal coordinates (many models) and its outputs are vectors,
         they are written side by side into one tensor, returned, whose transpose is the
-        neurons as points without a second copy (the kernel route's points).
+        neurons as points (the kernel route's points).
 
-        ``previous`` is the last level's such tensor and its models' widths. When every model's
-        width is the same again, each model's block is overwritten by its new outputs once its
-        stream has read it, so two levels of a thousand models are never held at once."""
+        ``previous``: the last level's such tensor and widths. With the same widths again, each
+        model's block is overwritten once its stream read it (never two levels at once)."""
         first = streams[0].level(mappings[0][index])
         widths = [s.model.level_width(mp[index]) for s, mp in zip(streams, mappings, strict=True)]
         many = first.outputs.dim() == 2 and self.grouping == "kmeans"
@@ -531,8 +530,7 @@ class NeuronInterpolation(FusionMethod):
         )
         fused = build_model(target, seed=self.seed).to(device).eval()
         neuron_levels = fused.neuron_levels
-        # each model's levels are computed as the fit reaches them: one level of every model
-        # in memory at a time (a thousand 512-wide models hold 0.8 GB of it per level)
+        # each model's levels are computed as the fit reaches them: one level in memory at a time
         streams = [
             LevelStream(
                 m,

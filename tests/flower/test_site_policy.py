@@ -1,0 +1,115 @@
+"""A site's policy in its node config, with fedfuse's real ClientApp handlers and ServerApp:
+a refusing site is named in ``results.json`` and the run goes on with the others.
+
+The sites are the real handlers on real site files, called in-process by a stand-in Grid
+(:class:`tests.fakes.SitesGrid`), as in ``test_run_outcomes.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from flwr.app import Context, RecordDict
+
+from fedfuse.data import load_dataset, save_npz_dataset
+from fedfuse.federation.scenario import Scenario
+from fedfuse.strategies import server_app
+from tests.fakes import SitesGrid
+from tests.helpers import quick_site_settings
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The server's fusion and test files and three digits sites."""
+    root = tmp_path_factory.mktemp("policy")
+    train = load_dataset("digits", "train")
+    paths = {
+        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
+        "test": save_npz_dataset(
+            root / "test.npz", load_dataset("digits", "test").subset(range(200))
+        ),
+    }
+    scenario = Scenario(quick_site_settings(partitioner="iid"), 3)
+    for pid in range(3):
+        paths[pid] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
+    return paths
+
+
+def _run(files, tmp_path, policies, methods, **changes):
+    """Run the real ServerApp over three sites; ``policies[i]`` is site i's policy keys."""
+    settings = quick_site_settings(
+        **changes,
+        methods=methods,
+        fusion_data=str(files["fusion"]),
+        test_data=str(files["test"]),
+        output_dir=str(tmp_path / "outputs"),
+        node_wait_timeout=1.0,
+        reply_timeout=60.0,
+    )
+    sites = {
+        100 + i: {
+            "partition-id": i,
+            "site-name": f"hospital-{i}",
+            "data-path": str(files[i]),
+            **policies.get(i, {}),
+        }
+        for i in range(3)
+    }
+    run_config = settings.to_config()
+    grid = SitesGrid(sites, run_config)
+    server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
+    report = json.loads((tmp_path / "outputs" / "latest" / "results.json").read_text())
+    return grid, report, {site["site"]: site for site in report["sites"]}
+
+
+def test_a_site_that_does_not_allow_a_method_of_the_run_refuses_before_training(files, tmp_path):
+    grid, report, sites = _run(
+        files, tmp_path, {2: {"allow-methods": "fedavg,kf-linear"}}, "kf-linear,regmean"
+    )
+    assert grid.trained() == [100, 101]  # the check before training left hospital-2 out
+    assert sites["hospital-2"]["status"] == "refused"
+    assert "['regmean'] are not in allow-methods=fedavg,kf-linear" in sites["hospital-2"]["reason"]
+    assert report["status"] == "partial"
+    assert report["fusions"]["kf-linear"]["status"] == "ok"
+    assert report["fusions"]["regmean"]["status"] == "ok"
+
+
+def test_a_site_that_sends_no_grams_refuses_a_regmean_run_and_one_without_counts_takes_part(
+    files, tmp_path
+):
+    policies = {0: {"allow-statistics": "rounds"}, 1: {"send-class-counts": "false"}}
+    grid, report, sites = _run(files, tmp_path, policies, "regmean,fedavg")
+    assert sites["hospital-0"]["status"] == "refused"
+    assert "need ['grams'], not in allow-statistics=rounds" in sites["hospital-0"]["reason"]
+    assert sites["hospital-1"]["status"] == sites["hospital-2"]["status"] == "uploaded"
+    counts = {c["site_name"]: c.get("class_counts") for c in report["clients"]}
+    assert counts["hospital-1"] is None and sum(counts["hospital-2"]) > 0
+    assert report["fusions"]["regmean"]["status"] == "ok"
+
+
+def test_a_site_answers_at_most_its_statistics_rounds_and_the_fit_goes_on_without_it(
+    files, tmp_path
+):
+    """kf-sites on an MLP with two hidden levels asks three rounds; a site allowing one
+    answers the first, refuses the second (named in ``results.json``) and is asked no more."""
+    policies = {1: {"max-statistics-rounds": 1}}
+    grid, report, sites = _run(files, tmp_path, policies, "kf-sites", mlp_widths="32,32")
+    asked = [
+        m.metadata.dst_node_id for m in grid.pushed if m.metadata.message_type == "query.statistics"
+    ]
+    assert asked.count(101) == 2 and asked.count(100) == asked.count(102) == 3
+    assert sites["hospital-1"]["status"] == "uploaded"
+    assert sites["hospital-1"]["statistics"].startswith("refused: site policy: ")
+    assert "max-statistics-rounds=1" in sites["hospital-1"]["statistics"]
+    assert any("hospital-1" in p and "max-statistics-rounds=1" in p for p in report["rejected"])
+    assert report["fusions"]["kf-sites"]["status"] == "ok"
+
+
+def test_a_site_with_a_misspelt_policy_key_fails_naming_it(files, tmp_path):
+    grid, report, sites = _run(files, tmp_path, {0: {"allow-method": "fedavg"}}, "fedavg")
+    assert sites["hospital-0"]["status"] == "failed"
+    assert "unknown policy key(s) ['allow-method']" in sites["hospital-0"]["reason"]
+    assert report["fusions"]["fedavg"]["status"] == "ok"
