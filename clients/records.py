@@ -177,6 +177,8 @@ def unpack_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
 STATISTICS_MESSAGE = "query.statistics"
 FUSED_KEY = "fused"
 REQUEST_KEY = "request"
+#: a sum-only statistics request's reading of the site's neurons (fused width x width)
+READING_KEY = "reading"
 STATISTICS_KEY = "statistics"
 
 
@@ -184,10 +186,16 @@ def pack_statistics_request(request: StatisticsRequest, model: LeveledModel) -> 
     """The server's message of one statistics round to one site: the fused model so far, the
     site's own model (the server holds it; the site need not keep state between rounds) and
     the request's settings."""
+    if request.readings is not None:
+        raise ValueError("a statistics request goes to one site: pack request.for_site(i)")
+    reading = {} if request.site_reading is None else {"reading": request.site_reading}
+    if request.privacy is not None and request.privacy.design_scale is not None:
+        reading["dp-design-scale"] = request.privacy.design_scale
     return RecordDict(
         {
             FUSED_KEY: ArrayRecord(request.fused.state_dict()),
             WEIGHTS_KEY: ArrayRecord(model.state_dict()),
+            **({READING_KEY: ArrayRecord(reading)} if reading else {}),
             REQUEST_KEY: ConfigRecord(
                 {
                     "level": request.level,
@@ -226,12 +234,23 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         dtype, seed = str(config["dtype"]), int(config["seed"])
         gram_rank = int(config.get("gram-rank", -1))
         piece = int(config.get("piece", 0))
+        reading, arrays = None, {}
+        if READING_KEY in content.array_records:
+            arrays = unpack_tensors(content.array_records[READING_KEY])
+        if "reading" in arrays:
+            reading = arrays["reading"].double()
+            if reading.dim() != 2 or not bool(torch.isfinite(reading).all()):
+                raise ValueError("the reading must be a finite matrix")
+        columns = arrays.get("dp-design-scale")
+        if columns is not None and (columns.dim() != 1 or not bool((columns > 0).all())):
+            raise ValueError("the design scale must be positive numbers")
         privacy = None
         if "dp-noise-multiplier" in config:
             privacy = GaussianStatistics(
                 float(config["dp-noise-multiplier"]),
                 float(config["dp-clip"]),
                 target_scale=float(config.get("dp-target-scale", 1.0)),
+                design_scale=columns,
             )
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"malformed statistics request ({error!r})") from None
@@ -248,6 +267,7 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         None if gram_rank < 0 else gram_rank,
         piece=piece,
         privacy=privacy,
+        site_reading=reading,
     )
     return request, model
 

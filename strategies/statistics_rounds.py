@@ -84,7 +84,7 @@ class FlowerSites:
         asked = [index for index in range(len(self.nodes)) if index not in self.refused]
         messages = [
             Message(
-                content=pack_statistics_request(request, self.models[index]),
+                content=pack_statistics_request(request.for_site(index), self.models[index]),
                 message_type=STATISTICS_MESSAGE,
                 dst_node_id=self.nodes[index],
             )

@@ -62,12 +62,15 @@ class GaussianStatistics:
         target_scale: ``z`` is multiplied by it before clipping and the reply's ``X^T Z`` and
             ``Z^T Z`` divided by it and its square after the noise (post-processing): it sets
             how the noise splits between the design's and the targets' moments.
+        design_scale: one factor per design column, applied and undone the same way, so that
+            every column (the intercept's too) meets the noise at the same scale (None: 1).
     """
 
     noise_multiplier: float
     clip: float
     noise_seed: int | None = None
     target_scale: float = 1.0
+    design_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not (self.noise_multiplier >= 0 and self.clip > 0 and self.target_scale > 0):
@@ -149,26 +152,30 @@ def noisy_moments(
 @torch.no_grad()
 def fusion_set_mechanism(
     models: list[LeveledModel], fused: LeveledModel, index: int, number: int, data: torch.Tensor
-) -> tuple[float, float]:
-    """``(clip, target_scale)`` for piece ``number`` of level ``index``, chosen on the server's
-    fusion set (``x`` the rows under ``fused``'s prefix, ``z`` each model's own outputs), never
-    on the sites' data:
+) -> tuple[float, float, torch.Tensor]:
+    """``(clip, target_scale, design_scale)`` for piece ``number`` of level ``index``, chosen on
+    the server's fusion set (``x`` the design rows under ``fused``'s prefix, ``z`` each model's
+    own outputs), never on the sites' data:
 
-    - ``target_scale`` makes the median norm of the scaled ``z`` that of ``x``, so that the
-      noise, as large on every entry, weighs as much on ``X^T X`` as on ``X^T Z`` and ``Z^T Z``
-      (without it, wide or large outputs set the clip and drown the design's moments);
-    - ``clip`` is the median norm of a sample's rows ``[x, target_scale z]`` (the largest median
-      over the models), as adaptive clipping in DP training aims for (Andrew et al., 2021): the
-      noise grows with the square of the bound, while clipping the larger half of the samples
-      only shortens them.
+    - ``design_scale`` gives every design column a root mean square of 1 (a column that is 0
+      on the fusion set keeps 1), so that the noise, as large on every entry, does not drown
+      the weak columns first (the intercept's 1 among pixels, a rarely active neuron);
+    - ``target_scale`` makes the median norm of the scaled ``z`` that of the scaled ``x``, so
+      that the noise weighs as much on ``X^T X`` as on ``X^T Z`` and ``Z^T Z``;
+    - ``clip`` is the median norm of a sample's scaled rows (the largest median over the
+      models), as adaptive clipping in DP training aims for (Andrew et al., 2021): the noise
+      grows with the square of the bound, while clipping the larger half of the samples only
+      shortens them.
     """
     level = fused.levels[index]
     pieces = linear_pieces(level)
     assert pieces is not None
     fused_inputs = fused.forward_levels(data, 0, index)
     samples = len(data)
-    design = pieces[number].design(level, fused_inputs).double().pow(2).reshape(samples, -1)
-    x_norms = design.sum(1)
+    design = pieces[number].design(level, fused_inputs).double()
+    rms = design.pow(2).mean(0).sqrt()
+    design_scale = torch.where(rms > 1e-12, 1 / rms.clamp_min(1e-12), torch.ones_like(rms))
+    x_norms = (design * design_scale).pow(2).reshape(samples, -1).sum(1)
     z_norms = []
     for model in models:
         own_level = model.levels[index]
@@ -179,7 +186,7 @@ def fusion_set_mechanism(
     typical_z = float(torch.stack(z_norms).median().sqrt())
     scale = float(x_norms.median().sqrt()) / typical_z if typical_z > 0 else 1.0
     clip = max(float((x_norms + scale**2 * z).median().sqrt()) for z in z_norms)
-    return clip, scale
+    return clip, scale, design_scale.float()
 
 
 def _check_budget(epsilon: float, delta: float, rounds: int) -> None:

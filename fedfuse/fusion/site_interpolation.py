@@ -55,11 +55,18 @@ from fedfuse.fusion.privacy import (
     fusion_set_mechanism,
     spent_epsilon,
 )
+from fedfuse.fusion.site_readings import (
+    fusion_set_readings,
+    number_like_the_stream,
+    readings_from_groups,
+    stream_tensor,
+)
 from fedfuse.fusion.site_statistics import (
     STATISTICS_DTYPES,
     SiteChannel,
     SiteStatistics,
     StatisticsRequest,
+    summed,
     without_intercept,
 )
 from fedfuse.models import LeveledModel, ModelSpec, build_model
@@ -90,6 +97,10 @@ class SiteInterpolation(FusionMethod):
             bias is 0). The offsets inside ResNet and ViT blocks are always fitted.
         max_samples: samples of each site used for its statistics (None: all).
         statistics_dtype: wire precision of the statistics, ``"float32"`` or ``"float64"``.
+        statistics: ``"per-site"``: the sites' neurons are grouped by their translations and
+            each reply is read on its own; ``"sums"``: grouped on the fusion set, each site
+            sent its reading, the fit made from the sums over sites alone
+            (:mod:`fedfuse.fusion.site_readings`; affine levels; needs a fusion set).
         gram_rank: compress each site's Gram of levels wider than this to its top eigenpairs
             plus an isotropic remainder (``fan_in x gram_rank`` floats instead of
             ``fan_in^2``); None sends it in full.
@@ -127,6 +138,7 @@ class SiteInterpolation(FusionMethod):
         statistics_dtype: str = "float32",
         gram_rank: int | None = None,
         match_rounds: int = 50,
+        statistics: str = "per-site",
         n_init: int = 1,
         kmeans_variance: float | str = "auto",
         max_iter: int = 100,
@@ -153,6 +165,9 @@ class SiteInterpolation(FusionMethod):
         self.max_samples = max_samples
         self.statistics_dtype = statistics_dtype
         self.gram_rank = gram_rank
+        if statistics not in ("per-site", "sums"):
+            raise ValueError(f"statistics must be 'per-site' or 'sums', got {statistics!r}")
+        self.statistics = statistics
         self.match_rounds = match_rounds
         self.n_init = n_init
         resolve_variance(kmeans_variance, 1, 1)  # ValueError now, not at the first level
@@ -171,8 +186,8 @@ class SiteInterpolation(FusionMethod):
         self.dp_noise_seed = dp_noise_seed
 
     def requirements(self) -> frozenset[str]:
-        private_without_clip = self.dp_epsilon is not None and self.dp_clip is None
-        return frozenset(self.requires) | ({"data"} if private_without_clip else set())
+        on_data = self.statistics == "sums" or (self.dp_epsilon is not None and not self.dp_clip)
+        return frozenset(self.requires) | ({"data"} if on_data else set())
 
     def needs(self) -> frozenset[str]:
         return self.requirements() | ({"scores"} if self.use_scores else set())
@@ -190,6 +205,11 @@ class SiteInterpolation(FusionMethod):
                     f"{model.level_name(index)} is none of these; use kf-gradient for it"
                 )
             view = affine_view(model.levels[index])
+            if view is None and self.statistics == "sums":
+                raise ValueError(
+                    f"{self.name} with statistics='sums' fits affine levels only; "
+                    f"{model.spec.arch} level {model.level_name(index)} is not affine"
+                )
             if view is not None:
                 where = f"{self.name}: level {model.level_name(index)}"
                 fit_intercept(view.layer, self.fit_bias, where=where)
@@ -243,6 +263,7 @@ class SiteInterpolation(FusionMethod):
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
         stream: dict[int, torch.Tensor] = {}  # each site's reading of the residual stream
         self._noise_multiplier, self._clips = None, []
+        self._fusion_data = inputs.data
         if self.dp_epsilon is not None:
             rounds = sum(len(linear_pieces(fused.levels[i]) or ()) for i in levels)
             self._noise_multiplier = calibrate_noise(self.dp_epsilon, self.dp_delta, rounds)
@@ -280,13 +301,13 @@ class SiteInterpolation(FusionMethod):
         """The Gaussian mechanism of the statistics of piece ``where = (level, piece)``."""
         if self._noise_multiplier is None:
             return None
-        clip, scale = self.dp_clip, 1.0
+        clip, scale, columns = self.dp_clip, 1.0, None
         if inputs.data is not None:  # a requirement without dp_clip
-            chosen, scale = fusion_set_mechanism(models, fused, *where, inputs.data)
+            chosen, scale, columns = fusion_set_mechanism(models, fused, *where, inputs.data)
             clip = clip or chosen
         assert clip is not None
         self._clips.append(clip)
-        return GaussianStatistics(self._noise_multiplier, clip, self.dp_noise_seed, scale)
+        return GaussianStatistics(self._noise_multiplier, clip, self.dp_noise_seed, scale, columns)
 
     def _fit_round(
         self,
@@ -306,6 +327,19 @@ class SiteInterpolation(FusionMethod):
         replace); ``privacy`` is the sites' mechanism."""
         index, number, piece = where
         started = time.perf_counter()
+        is_head = index == fused.neuron_levels[-1]
+        readings, grouping = None, {}
+        if self.statistics == "sums" and not is_head:  # grouped before the round
+            assert self._fusion_data is not None  # a requirement
+            found, grouping = fusion_set_readings(
+                [models[m] for m in active],
+                index,
+                self._fusion_data,
+                [scores[m][index] for m in active],
+                piece.width(fused.levels[index]),
+                lambda points, w, sizes, k: self._group(points, w, sizes, k, index),
+            )
+            readings = dict(zip(active, found, strict=True))
         request = StatisticsRequest(
             index,
             fused,
@@ -315,6 +349,7 @@ class SiteInterpolation(FusionMethod):
             self.gram_rank,
             piece=number,
             privacy=privacy,
+            readings=readings,
         )
         replies = sites.gather(request)
         collected = time.perf_counter() - started
@@ -330,7 +365,7 @@ class SiteInterpolation(FusionMethod):
             assert own_pieces is not None
             stats.check(
                 piece.fan_in(level),
-                own_pieces[number].width(own_level),
+                own_pieces[number].width(own_level) if readings is None else piece.width(level),
                 source=f"{self.name}: site {model_index}",
                 stream_width=stream_width,
             )
@@ -348,12 +383,17 @@ class SiteInterpolation(FusionMethod):
         intercept, drop_ones = self._intercept(level, piece, name)
         if drop_ones:
             statistics = {m: without_intercept(s) for m, s in statistics.items()}
-        is_head = index == fused.neuron_levels[-1]
         weights = {
             m: torch.ones(s.cross.shape[1]) if piece.inner else scores[m][index]
             for m, s in statistics.items()
         }
-        if piece.kind == "logits":
+        if self.statistics == "sums":  # read as the sum secure aggregation would give
+            total = summed([statistics[m] for m in active])
+            width = piece.width(level)
+            fitted, gram, info = self._fit_level(index, {0: total}, {}, True, width)
+            info.update(grouping)
+            info.pop("readings", None)
+        elif piece.kind == "logits":
             fitted, gram, info = self._fit_logits(index, statistics, models, level)
         else:
             fitted, gram, info = self._fit_level(
@@ -430,17 +470,17 @@ class SiteInterpolation(FusionMethod):
         else:
             readings, info = self._readings(gram, statistics, weights, index, width)
             if stream is not None:
-                readings = _number_like_the_stream(statistics, readings)
+                readings = number_like_the_stream(statistics, readings)
         residual = stream is not None
         rhs = sum(statistics[m].cross.double() @ readings[m].T for m in order)
         norms = sum(
             ((readings[m] @ statistics[m].target_gram.double()) * readings[m]).sum(1) for m in order
         )
         if residual:  # the targets are the readings minus the stream S they add to
-            rhs = rhs - sum(_stream(statistics[m], "stream_cross") for m in order)
+            rhs = rhs - sum(stream_tensor(statistics[m], "stream_cross") for m in order)
             norms = norms + sum(
-                _stream(statistics[m], "stream_norms")
-                - 2 * (readings[m] @ _stream(statistics[m], "stream_target")).diagonal()
+                stream_tensor(statistics[m], "stream_norms")
+                - 2 * (readings[m] @ stream_tensor(statistics[m], "stream_target")).diagonal()
                 for m in order
             )
         grid = RIDGE_GRID if self.ridge is None else (self.ridge,)
@@ -523,54 +563,9 @@ class SiteInterpolation(FusionMethod):
         points = torch.cat([(factor @ statistics[m].translation.double()).T for m in order])
         weights = torch.cat([scores[m].double().cpu() for m in order])
         sizes = [statistics[m].translation.shape[1] for m in order]
-        owner = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(sizes))
         labels = self._group(points, weights, sizes, width, index)
-        centers, mass = weighted_centers(points, weights, labels, width, dtype=torch.float64)
-        readings: dict[int, torch.Tensor] = {}
-        empty_groups = 0
-        for position, model_index in enumerate(order):
-            mine = owner == position
-            own_labels, own_weights = labels[mine], weights[mine].clamp_min(1e-12)
-            reading = torch.zeros(width, sizes[position], dtype=torch.float64)
-            reading[own_labels, torch.arange(sizes[position])] = own_weights
-            totals = reading.sum(1, keepdim=True)
-            missing = totals.squeeze(1) == 0
-            empty_groups += int(missing.sum())
-            if bool(missing.any()):  # groups without a neuron of this model: its nearest neuron
-                nearest = torch.cdist(centers[missing], points[mine]).argmin(1)
-                reading[missing.nonzero().squeeze(1), nearest] = 1.0
-                totals = reading.sum(1, keepdim=True)
-            readings[model_index] = reading / totals
-        info = {
-            "grouping_cost": float(
-                (weights * (points - centers[labels]).pow(2).sum(1)).sum() / weights.sum()
-            ),
-            "groups_read_by_nearest": empty_groups,
-            "empty_clusters": int((mass == 0).sum()),
-        }
-        return readings, info
-
-
-def _stream(statistics: SiteStatistics, name: str) -> torch.Tensor:
-    tensor = getattr(statistics, name)
-    assert tensor is not None  # checked with the piece's stream width
-    return tensor.double()
-
-
-def _number_like_the_stream(
-    statistics: dict[int, SiteStatistics], readings: dict[int, torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """Renumber the fused neurons so that neuron ``j`` is the group nearest the level input's
-    channel ``j`` on all sites' rows (as :func:`~fedfuse.fusion.neuron_interpolation.grouping.
-    residual_labels` on the fusion set): ``cost[j, c] = sum_k ||s_j - Z_k r_c||^2``."""
-    cost = sum(
-        _stream(s, "stream_norms")[:, None]
-        - 2 * _stream(s, "stream_target").T @ readings[m].T
-        + ((readings[m] @ s.target_gram.double()) * readings[m]).sum(1)[None]
-        for m, s in statistics.items()
-    )
-    order = linear_assignment(cost)  # input channel j takes group order[j]
-    return {m: reading[order] for m, reading in readings.items()}
+        readings, info = readings_from_groups(points, weights, labels, sizes, width)
+        return dict(zip(order, readings, strict=True)), info
 
 
 @register_fusion_method

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
@@ -66,6 +66,11 @@ class StatisticsRequest:
             isotropic remainder on levels wider than that (None: always in full).
         privacy: the Gaussian mechanism the site applies to its reply
             (:mod:`fedfuse.fusion.privacy`; None: exact statistics).
+        readings: sum-only statistics (:mod:`fedfuse.fusion.site_readings`): per model index, the
+            reading ``P`` (``fused width x width``) that maps the site's neurons onto the
+            fused ones; each site is sent only its own (:meth:`for_site`) and returns the
+            statistics of ``Z P^T`` instead of ``Z``, which add up over sites.
+        site_reading: the site's own reading, as it receives it.
     """
 
     level: int
@@ -76,6 +81,14 @@ class StatisticsRequest:
     gram_rank: int | None = None
     piece: int = 0
     privacy: GaussianStatistics | None = None
+    readings: Mapping[int, torch.Tensor] | None = None
+    site_reading: torch.Tensor | None = None
+
+    def for_site(self, index: int) -> StatisticsRequest:
+        """The request as the site of model ``index`` receives it: its own reading only."""
+        if self.readings is None:
+            return self
+        return replace(self, readings=None, site_reading=self.readings[index])
 
     def __post_init__(self) -> None:
         if self.dtype not in STATISTICS_DTYPES:
@@ -251,6 +264,13 @@ def site_statistics(
         generator = torch.Generator().manual_seed(request.seed)
         data = data[torch.randperm(len(data), generator=generator)[: request.max_samples]]
     fan_in, width = piece.fan_in(fused_level), own_pieces[request.piece].width(own_level)
+    if request.site_reading is not None:
+        if request.site_reading.shape[1:] != (width,):
+            raise ValueError(
+                f"level {index}: the reading has shape {tuple(request.site_reading.shape)}, "
+                f"the site's model has {width} neurons here"
+            )
+        width = len(request.site_reading)
     stream_width = piece.width(fused_level) if piece.stream is not None else 0
     privacy = request.privacy
     if privacy is not None and stream_width:
@@ -269,6 +289,8 @@ def site_statistics(
             part = slice(chunk, chunk + step)
             design = piece.design(fused_level, fused_inputs[part]).float()
             z = piece.target(own_level, own_inputs[part]).float()
+            if request.site_reading is not None:  # the fused neurons as this site reads them
+                z = z @ request.site_reading.to(z).T
             if len(design) != len(z):
                 raise ValueError(
                     f"level {index}: the fused level gives {len(design)} rows per batch, the "
@@ -278,6 +300,8 @@ def site_statistics(
             if piece.stream is not None:
                 stream = piece.stream(fused_level, fused_inputs[part]).float()
             if privacy is not None:  # every sample's rows within the clip, X and Z together
+                if privacy.design_scale is not None:
+                    design = design * privacy.design_scale.to(design)
                 rows = torch.cat([design, z * privacy.target_scale], 1)
                 joint = clip_samples(rows, len(x[part]), privacy.clip)
                 design, z = joint[:, :fan_in], joint[:, fan_in:]
@@ -349,9 +373,12 @@ class _Sums:
             ]
         )
         noisy = noisy_moments(joint, mechanism, design=fan_in)
-        scale = mechanism.target_scale  # back to the targets' own units
-        self.gram = noisy[:fan_in, :fan_in].contiguous()
-        self.cross = noisy[:fan_in, fan_in:] / scale
+        scale = mechanism.target_scale  # back to the design's and the targets' own units
+        columns = torch.ones(fan_in, dtype=torch.float64, device=noisy.device)
+        if mechanism.design_scale is not None:
+            columns = mechanism.design_scale.to(noisy)
+        self.gram = noisy[:fan_in, :fan_in] / (columns[:, None] * columns[None])
+        self.cross = noisy[:fan_in, fan_in:] / (columns[:, None] * scale)
         self.target_gram = noisy[fan_in:, fan_in:] / scale**2
 
 
@@ -446,9 +473,29 @@ class LocalSites:
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
         return [
-            site_statistics(m, d, request, batch_size=self.batch_size, device=self.device)
-            for m, d in zip(self.models, self.data, strict=True)
+            site_statistics(
+                m, d, request.for_site(i), batch_size=self.batch_size, device=self.device
+            )
+            for i, (m, d) in enumerate(zip(self.models, self.data, strict=True))
         ]
+
+
+def summed(statistics: Sequence[SiteStatistics]) -> SiteStatistics:
+    """The sum of the sites' statistics of one round (what secure aggregation would give the
+    server): Grams, cross-moments and target moments added, rows counted. The translation of
+    the sum is not a sum of translations, so it is left out (zeros)."""
+    first = statistics[0]
+    gram = sum(s.full_gram() for s in statistics)
+    cross = sum(s.cross.double() for s in statistics)
+    return SiteStatistics(
+        level=first.level,
+        rows=sum(s.rows for s in statistics),
+        gram=gram,  # type: ignore[arg-type]
+        cross=cross,  # type: ignore[arg-type]
+        target_gram=sum(s.target_gram.double() for s in statistics),  # type: ignore[arg-type]
+        translation=torch.zeros_like(first.translation, dtype=torch.float64),
+        piece=first.piece,
+    )
 
 
 __all__ = [
@@ -461,5 +508,6 @@ __all__ = [
     "compress_gram",
     "site_statistics",
     "statistics_round_bytes",
+    "summed",
     "without_intercept",
 ]

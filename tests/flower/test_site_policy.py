@@ -113,3 +113,24 @@ def test_a_site_with_a_misspelt_policy_key_fails_naming_it(files, tmp_path):
     assert sites["hospital-0"]["status"] == "failed"
     assert "unknown policy key(s) ['allow-method']" in sites["hospital-0"]["reason"]
     assert report["fusions"]["fedavg"]["status"] == "ok"
+
+
+def test_private_statistics_travel_as_a_mechanism_and_the_run_records_its_budget(files, tmp_path):
+    """kf-sites with dp_epsilon through the real ClientApp: every statistics request carries
+    the noise multiplier and clip (never a noise seed: the site draws its own noise), and
+    results.json records the (epsilon, delta) the run spent."""
+    grid, report, sites = _run(
+        files, tmp_path, {}, "kf-sites", fusion_options="dp_epsilon=4 dp_noise_seed=1"
+    )
+    requests = [
+        m.content.config_records["request"]
+        for m in grid.pushed
+        if m.metadata.message_type == "query.statistics"
+    ]
+    assert len(requests) == 3 * 2  # three sites, two rounds (one hidden level and the head)
+    assert all(r["dp-noise-multiplier"] > 0 and r["dp-clip"] > 0 for r in requests)
+    assert not any("seed" in key for r in requests for key in r if key.startswith("dp-"))
+    budget = report["fusions"]["kf-sites"]["details"]["privacy"]
+    assert budget["rounds"] == 2 and budget["delta"] == 1e-5
+    assert budget["epsilon"] <= 4.0 + 1e-3
+    assert report["fusions"]["kf-sites"]["status"] == "ok"
