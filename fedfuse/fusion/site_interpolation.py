@@ -204,6 +204,13 @@ class SiteInterpolation(FusionMethod):
                     f"ResNet blocks or ViT blocks; {model.spec.arch} level "
                     f"{model.level_name(index)} is none of these; use kf-gradient for it"
                 )
+            if self.dp_epsilon is not None and any(
+                piece.stream is not None for piece in linear_pieces(model.levels[index]) or ()
+            ):
+                raise ValueError(
+                    f"{self.name} with dp_epsilon: {model.spec.arch} level "
+                    f"{model.level_name(index)} adds to a residual stream (not covered by DP yet)"
+                )
             view = affine_view(model.levels[index])
             if view is None and self.statistics == "sums":
                 raise ValueError(

@@ -134,3 +134,15 @@ def test_private_statistics_travel_as_a_mechanism_and_the_run_records_its_budget
     assert budget["rounds"] == 2 and budget["delta"] == 1e-5
     assert budget["epsilon"] <= 4.0 + 1e-3
     assert report["fusions"]["kf-sites"]["status"] == "ok"
+
+
+def test_sum_only_statistics_send_each_site_its_reading_through_the_real_client_app(
+    files, tmp_path
+):
+    grid, report, sites = _run(files, tmp_path, {}, "kf-sites", fusion_options="statistics=sums")
+    messages = [m for m in grid.pushed if m.metadata.message_type == "query.statistics"]
+    with_reading = [m for m in messages if "reading" in m.content.array_records]
+    assert len(messages) == 6 and len(with_reading) == 3  # the hidden level's round only
+    assert report["fusions"]["kf-sites"]["status"] == "ok"
+    levels = report["fusions"]["kf-sites"]["details"]["levels"]
+    assert levels[0]["grouped_on"] == "the fusion set"

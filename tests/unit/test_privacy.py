@@ -130,3 +130,12 @@ def test_private_kf_sites_records_its_budget_and_without_noise_or_clipping_is_ex
     assert "data" in private.requirements()  # the clip is chosen on the fusion set
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         make_fusion_method("kf-sites", dp_epsilon=-1.0)
+
+
+def test_private_statistics_refuse_residual_streams_before_any_site_trains():
+    from fedfuse.models import resnet_spec
+
+    resnet = build_model(resnet_spec((3, 8, 8), 3, depth=10), seed=0)
+    with pytest.raises(ValueError, match="adds to a residual stream"):
+        make_fusion_method("kf-sites", dp_epsilon=4.0).check_architecture(resnet)
+    make_fusion_method("kf-sites").check_architecture(resnet)  # without DP it fuses them

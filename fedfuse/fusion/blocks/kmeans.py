@@ -34,6 +34,13 @@ class KMeansResult:
 _BLOCK_ROWS = 1 << 16
 
 
+def _block_rows(points: torch.Tensor, dtype: torch.dtype) -> int:
+    """Rows per block: fewer when each block is converted to a wider ``dtype`` (its copies sit
+    beside every point of a many-model level)."""
+    wider = torch.finfo(dtype).bits > torch.finfo(points.dtype).bits
+    return max(_BLOCK_ROWS // 4, 1) if wider else _BLOCK_ROWS
+
+
 def _squared_distances(points: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
     """``||p - c||^2`` for all pairs, via the Gram expansion (clamped at 0)."""
     d = (points * points).sum(1, keepdim=True) - 2 * points @ centers.T
@@ -80,8 +87,9 @@ def weighted_centers(
     w = weights.to(dtype)
     mass = torch.zeros(k, dtype=dtype, device=points.device).index_add_(0, labels, w)
     sums = torch.zeros(k, points.shape[1], dtype=dtype, device=points.device)
-    for start in range(0, len(points), _BLOCK_ROWS):
-        rows = slice(start, start + _BLOCK_ROWS)
+    step = _block_rows(points, dtype)
+    for start in range(0, len(points), step):
+        rows = slice(start, start + step)
         sums.index_add_(0, labels[rows], points[rows].to(dtype) * w[rows, None])
     return sums / mass.clamp_min(torch.finfo(dtype).tiny)[:, None], mass
 
@@ -98,8 +106,9 @@ def point_costs(
     dtype = dtype or points.dtype
     costs = torch.empty(len(points), dtype=dtype, device=points.device)
     centers = centers.to(dtype)
-    for start in range(0, len(points), _BLOCK_ROWS):
-        rows = slice(start, start + _BLOCK_ROWS)
+    step = _block_rows(points, dtype)
+    for start in range(0, len(points), step):
+        rows = slice(start, start + step)
         diff = points[rows].to(dtype) - centers[labels[rows]]
         costs[rows] = weights[rows].to(dtype) * (diff * diff).sum(1)
     return costs
