@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedfuse.federation.contract import SiteRefusal
-from fedfuse.federation.policy import SitePolicy
 from fedfuse.federation.site import (
     answer_statistics_request,
     check_site_data,
@@ -49,57 +48,13 @@ from .records import (
     unpack_statistics_request,
     unpack_train_request,
 )
+from .secure import secure_sums_mod
+from .site_context import count_round, site_identity, site_name, site_policy
 
 log = logging.getLogger(__name__)
 
-app = ClientApp()
-
-#: node-config key of a site's name, shown in the server's logs, results and checkpoints
-SITE_NAME_KEY = "site-name"
-
-
-def site_name(context: Context) -> str:
-    """The site's name from its node config (``site-name``), or "" when it gave none."""
-    return str(context.node_config.get(SITE_NAME_KEY, "")).strip()[:200]
-
-
-def site_identity(context: Context) -> tuple[int, int, str | None]:
-    """(partition id, number of partitions or 0, data file or None) from the node config."""
-    config = context.node_config
-    data_path = str(config["data-path"]) if config.get("data-path") else None
-    try:
-        partition_id = int(config["partition-id"])
-        num_partitions = int(config.get("num-partitions", 0))
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(
-            f"node {context.node_id}: node config needs an integer partition-id ({error!r}); "
-            "start the SuperNode with --node-config \"partition-id=<i> data-path='<file.npz>'\""
-        ) from None
-    if data_path is None and num_partitions < 1:
-        raise ValueError(
-            f"node {context.node_id}: node config has neither data-path nor num-partitions"
-        )
-    return partition_id, num_partitions, data_path
-
-
-def site_policy(context: Context) -> SitePolicy:
-    """What the site agrees to send, from its node config
-    (:class:`~fedfuse.federation.policy.SitePolicy`; everything when it states nothing)."""
-    return SitePolicy.from_node_config(
-        context.node_config, where=f"node {context.node_id}: node config"
-    )
-
-
-#: where a site counts the statistics rounds it answered in this run (its Context's state)
-_ROUNDS_RECORD = "fedfuse.policy"
-
-
-def _count_round(context: Context) -> int:
-    """The statistics rounds this site answered in this run before this one; counts this one."""
-    record = context.state.config_records.get(_ROUNDS_RECORD)
-    answered = int(record["statistics-rounds"]) if record is not None else 0
-    context.state.config_records[_ROUNDS_RECORD] = ConfigRecord({"statistics-rounds": answered + 1})
-    return answered
+#: secure aggregation (SecAgg+) for the summed rounds; every other message goes to the handlers
+app = ClientApp(mods=[secure_sums_mod])
 
 
 def _cannot_take_part(msg: Message, error: Exception, name: str, partition_id: int) -> Message:
@@ -187,7 +142,7 @@ def statistics_round(msg: Message, context: Context) -> Message:
     policy = site_policy(context)
     request, model = unpack_statistics_request(msg.content)
     try:
-        policy.check_round("rounds", _count_round(context))
+        policy.check_round("rounds", count_round(context))
         statistics = answer_statistics_request(
             settings,
             request,

@@ -76,6 +76,7 @@ from .replies import (
     sender_name,
 )
 from .roster import SiteRoster
+from .secure_sums import SecureSettings, check_secure_methods
 from .statistics_rounds import FlowerSites
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ class OneShotFusion(Strategy):
             sites left end the run before any site trains (for sites with their own files).
         on_fused: called with each method's name and result as soon as it has fused (e.g. to
             save the model before anything else can fail).
+        secure: aggregate the rounds summed over sites with Flower's SecAgg+
+            (:mod:`.secure_sums`); a method that would read anything per site is refused now.
 
     Raises:
         MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
@@ -170,8 +173,12 @@ class OneShotFusion(Strategy):
         contract: DataContract | None = None,
         check_contract: bool = False,
         on_fused: Callable[[str, FusionResult], None] | None = None,
+        secure: SecureSettings | None = None,
     ) -> None:
         self.methods = as_methods(methods)
+        if secure is not None:
+            check_secure_methods(self.methods)
+        self.secure = secure
         if not self.methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
         self.fusion_set = fusion_set if callable(fusion_set) else None
@@ -505,6 +512,7 @@ class OneShotFusion(Strategy):
             [e.source for e in entries],
             timeout=self._reply_timeout,
             max_in_flight=self.max_in_flight,
+            secure=self.secure,
         )
 
     def finetune_round(self) -> SiteFinetuneRound:

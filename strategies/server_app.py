@@ -62,6 +62,7 @@ from fedfuse.settings.run import RunSettings, finetune_seed, initial_seed
 from fedfuse.training.finetune import finetune
 
 from .one_shot import OneShotFusion
+from .secure_sums import SecureSettings
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,9 @@ class OneShotRun:
             contract=contract,
             check_contract=bool(settings.fusion_data),  # the sites then hold their own files
             on_fused=lambda name, result: self.on_fused(name, result, strategy),
+            secure=SecureSettings(settings.secure_threshold, settings.reply_timeout)
+            if settings.secure_aggregation
+            else None,
         )
         self.phase = "collect and fuse"
         try:

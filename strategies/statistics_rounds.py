@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
 
@@ -24,12 +25,14 @@ from fedfuse.clients.records import (
     pack_statistics_request,
     unpack_statistics,
 )
-from fedfuse.fusion.pieces import linear_pieces
-from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
+from fedfuse.clients.sum_records import pack_sum_request
+from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, check_reply
+from fedfuse.fusion.summed_terms import SiteSums, SummedRequest, add_terms, statistics_terms
 from fedfuse.models import LeveledModel
 
 from .messaging import replies_by_site
 from .replies import short_reason, site_answer
+from .secure_sums import SecureSettings, secure_sum
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class FlowerSites:
         names: how each site is named in problems (e.g. ``client 3 (node 42)``).
         timeout: seconds to wait for one round's replies.
         max_in_flight: messages out at once (0: all), as for the train round.
+        secure: sum the summed rounds with SecAgg+ (:mod:`.secure_sums`); None: in the clear.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class FlowerSites:
         *,
         timeout: float,
         max_in_flight: int = 0,
+        secure: SecureSettings | None = None,
     ) -> None:
         if not len(models) == len(nodes) == len(names):
             raise ValueError("FlowerSites: one node and one name per model")
@@ -64,6 +69,8 @@ class FlowerSites:
         self.names = list(names)
         self.timeout = timeout
         self.max_in_flight = max_in_flight
+        self.secure = secure
+        self._secure_rounds = 0
         self._problems: list[str] = []
         #: model index -> why its site refused a statistics round (its policy); it is asked no
         #: more in this run
@@ -114,6 +121,59 @@ class FlowerSites:
         )
         return answers
 
+    def sum_terms(self, summed: SummedRequest) -> SiteSums:
+        """One round summed over the sites (:func:`~fedfuse.fusion.summed_terms.sum_over_sites`):
+        with SecAgg+ when the channel is secure, else each site's checked statistics added."""
+        started = time.monotonic()
+        request = summed.request
+        statistics = isinstance(request, StatisticsRequest)
+        if self.secure is None:
+            if not statistics or summed.norms:
+                raise ValueError(
+                    "regmean with grams='sums' runs over Flower with secure-aggregation=true; "
+                    "without it, regmean uploads the Grams per site"
+                )
+            replies = self.gather(request)
+            parts = {i: statistics_terms(r) for i, r in enumerate(replies) if r is not None}
+            sizes = {i: replies[i].payload_bytes() for i in parts}  # type: ignore[union-attr]
+            return SiteSums(add_terms(list(parts.values())), sorted(parts), sizes)
+        units = summed.units
+        if units is None:
+            raise ValueError("a secure sum needs the request's fixed units")
+        asked = [index for index in range(len(self.nodes)) if index not in self.refused]
+        contents = {
+            self.nodes[i]: pack_sum_request(summed.for_site(i), self.models[i]) for i in asked
+        }
+        self._secure_rounds += 1
+        outcome = secure_sum(self.grid, contents, self.secure, units.clip, self._secure_rounds)
+        what = ("statistics" if statistics else "regmean") + (" norms" if summed.norms else "")
+        if outcome is None:
+            raise ValueError(
+                f"secure aggregation of the {what} round halted: fewer sites answered than "
+                f"secure-threshold={self.secure.threshold} needs ({len(asked)} asked)"
+            )
+        arrays, nodes = outcome
+        names = sorted(units.scales)
+        if len(arrays) != len(names):
+            raise ValueError(f"the secure sum has {len(arrays)} terms, the request {len(names)}")
+        terms = units.decode({n: torch.from_numpy(a) for n, a in zip(names, arrays, strict=True)})
+        error = {n: units.resolution(n, tuple(t.shape), len(nodes)) for n, t in terms.items()}
+        contributors = sorted(self.nodes.index(node) for node in nodes)
+        for index in asked:
+            if index not in contributors:
+                self._note(index, f"dropped out of the secure {what} round")
+        size = sum(a.size for a in arrays) * 8  # SecAgg+ sends int64 masked values
+        seconds = time.monotonic() - started
+        self.rounds.append({"level": getattr(request, "level", -1), "seconds": seconds})
+        log.info(
+            "secure %s round: the sum of %d of %d sites in %.1f s",
+            what,
+            len(contributors),
+            len(asked),
+            seconds,
+        )
+        return SiteSums(terms, contributors, {i: size for i in contributors}, error)
+
     def _decode(
         self, reply: Message, index: int, request: StatisticsRequest
     ) -> SiteStatistics | None:
@@ -130,22 +190,7 @@ class FlowerSites:
             return None
         try:
             statistics = unpack_statistics(reply.content, source=name)
-            if (statistics.level, statistics.piece) != (request.level, request.piece):
-                raise ValueError(
-                    f"{name}: answered for level {statistics.level} piece {statistics.piece}, "
-                    f"not {request.level} piece {request.piece}"
-                )
-            piece, fused_level = request.linear_piece, request.fused.levels[request.level]
-            own_level = self.models[index].levels[request.level]
-            own_pieces = linear_pieces(own_level)
-            if own_pieces is None or len(own_pieces) <= request.piece:
-                raise ValueError(f"{name}: its model has no piece {request.piece} here")
-            statistics.check(
-                piece.fan_in(fused_level),
-                own_pieces[request.piece].width(own_level),
-                source=name,
-                stream_width=piece.width(fused_level) if piece.stream is not None else None,
-            )
+            check_reply(statistics, request, self.models[index], name)
         except ValueError as error:
             self._note(index, str(error).removeprefix(f"{name}: "))
             return None

@@ -30,6 +30,7 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.summed_terms import SummedRequest, site_sum_terms
 from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
@@ -275,6 +276,44 @@ def answer_statistics_request(
         statistics.seconds,
     )
     return statistics
+
+
+def answer_sum_request(
+    settings: RunSettings,
+    summed: SummedRequest,
+    model: LeveledModel,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    data_path: str | None = None,
+    policy: SitePolicy | None = None,
+) -> dict[str, torch.Tensor]:
+    """A site's part of a round summed over sites (:mod:`fedfuse.fusion.summed_terms`): its
+    terms, or their norms, in the round's fixed units when it has them (a secure sum). A
+    statistic that breaks the site's ``policy`` is refused, as in a statistics round."""
+    limit_threads(settings.threads)
+    data = load_site_data(settings, partition_id, num_partitions, data_path)
+    request = summed.request
+    if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
+        raise ValueError(
+            f"client {partition_id}: its data has samples of shape "
+            f"{tuple(data.inputs().shape[1:])}, the model takes {tuple(model.spec.input_shape)}"
+        )
+    if isinstance(request, StatisticsRequest):
+        samples = min(len(data), request.max_samples or len(data))
+        what = f"the statistics of level {request.level} piece {request.piece}"
+    else:
+        samples, what = len(data), "RegMean's Grams"
+    if policy is not None:
+        policy.check_statistic(what, samples, rows=samples, columns=0)
+    terms = site_sum_terms(summed, model, data.inputs(), device=settings.device)
+    log.info(
+        "client %d: %s of a summed round (%s)",
+        partition_id,
+        "norms" if summed.norms else "terms",
+        what,
+    )
+    return terms
 
 
 @dataclass

@@ -53,7 +53,9 @@ Reference:
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,213 +63,25 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
-from fedfuse.io.grams import full_gram, gram_factor
+from fedfuse.fusion.fixed_point import FixedPoint, coarse_norm_scale, norm_bound
+from fedfuse.fusion.regmean_grams import (
+    GramBlock,
+    _mergeable_modules,
+    level_grams,
+    mergeable,
+    module_grams_layout,
+)
+from fedfuse.fusion.summed_terms import NORMS_CLIP, SiteSums, SummedRequest, sum_over_sites
+from fedfuse.io.grams import full_gram
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import (
-    _patches,
     affine_view,
     check_fit_bias,
     fit_intercept,
-    output_rows,
 )
-from fedfuse.models.capture import hooked, run_batches
+from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
-
-#: rows of the design matrix multiplied at once in :func:`level_grams` (bounds memory for convs)
-_ROW_BUDGET = 1 << 14
-
-
-@dataclass(frozen=True)
-class GramBlock:
-    """One Gram of a non-affine level: the mergeable modules reading one input the same way.
-
-    Attributes:
-        modules: the modules' qualified names inside the level (``"attention.q"``, ``"conv1"``).
-        size: the Gram's side: the modules' fan-in, plus one when they have a bias.
-        bias: whether the design rows carry the trailing 1 (the modules have biases).
-    """
-
-    modules: tuple[str, ...]
-    size: int
-    bias: bool
-
-
-def mergeable(module: nn.Module) -> bool:
-    """Whether RegMean merges ``module`` by its Gram: an ``nn.Linear``, or an ``nn.Conv2d``
-    without groups, dilation-free or not, zero-padded by explicit amounts."""
-    if isinstance(module, nn.Linear):
-        return True
-    return (
-        isinstance(module, nn.Conv2d)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-        and isinstance(module.padding, tuple)
-    )
-
-
-def _mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in level.named_modules() if name and mergeable(m)]
-
-
-def _reading(module: nn.Module) -> tuple[Any, ...]:
-    """How a module turns its input into design rows (equal: the rows are equal)."""
-    if isinstance(module, nn.Conv2d):
-        return ("conv", module.kernel_size, module.stride, module.padding, module.dilation)
-    return ("linear", module.in_features)
-
-
-def _has_bias(module: nn.Module) -> bool:
-    return getattr(module, "bias", None) is not None
-
-
-def _block_size(module: nn.Module) -> int:
-    return module.weight[0].numel() + int(_has_bias(module))
-
-
-@torch.no_grad()
-def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
-    """The Gram blocks of every non-affine neuron level of ``model``, in packing order.
-
-    Found by one forward pass of a zero input through ``model`` (on its device, in eval mode)
-    with hooks on the mergeable modules: those that receive the very same input tensor and read
-    it the same way (same kernel, stride, padding, or both linear; both biased or both not)
-    share a block. Modules the forward never calls get no block (they are averaged).
-    """
-    levels = [i for i in model.neuron_levels if affine_view(model.levels[i]) is None]
-    seen: dict[tuple[int, str], torch.Tensor] = {}  # the inputs are kept alive: ids stay unique
-
-    def record(key: tuple[int, str], _module: nn.Module, args: tuple[Any, ...], _: None) -> None:
-        seen.setdefault(key, args[0])
-
-    watched = {
-        (level, name): module
-        for level in levels
-        for name, module in _mergeable_modules(model.levels[level])
-    }
-    device = next(model.parameters()).device
-    probe = torch.zeros(1, *model.spec.input_shape, device=device)
-    with hooked(watched, record, before=True):
-        run_batches(model, probe, batch_size=1, device=device)
-    layout: dict[int, list[GramBlock]] = {}
-    for level in levels:
-        groups: dict[tuple[Any, ...], list[str]] = {}
-        sizes: dict[tuple[Any, ...], tuple[int, bool]] = {}
-        for name, module in _mergeable_modules(model.levels[level]):
-            if (level, name) not in seen:
-                continue
-            key = (id(seen[level, name]), _reading(module), _has_bias(module))
-            groups.setdefault(key, []).append(name)
-            sizes[key] = (_block_size(module), _has_bias(module))
-        layout[level] = [GramBlock(tuple(names), *sizes[key]) for key, names in groups.items()]
-    return layout
-
-
-def _design_rows(module: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
-    if isinstance(module, nn.Conv2d):
-        rows = _patches(x, module)
-    else:
-        rows = x.reshape(-1, module.in_features)
-    if bias:
-        rows = torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
-    return rows
-
-
-def _accumulate(module: nn.Module, x: torch.Tensor, bias: bool, gram: torch.Tensor) -> None:
-    """Add the design Gram of the inputs ``x`` of ``module`` to ``gram`` (CPU, float64)."""
-    if isinstance(module, nn.Conv2d):
-        positions = 1  # output positions per sample (calling the module would re-enter hooks)
-        for size, kernel, stride, pad, dilation in zip(
-            x.shape[2:], module.kernel_size, module.stride, module.padding, module.dilation,
-            strict=True,
-        ):  # fmt: skip
-            positions *= max(1, (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1)
-        step = max(1, _ROW_BUDGET // positions)
-        for chunk in range(0, len(x), step):
-            design = _design_rows(module, x[chunk : chunk + step], bias).double()
-            gram += (design.T @ design).cpu()
-        return
-    rows = x.reshape(-1, module.in_features)
-    for chunk in range(0, len(rows), _ROW_BUDGET):
-        design = _design_rows(module, rows[chunk : chunk + _ROW_BUDGET], bias).double()
-        gram += (design.T @ design).cpu()
-
-
-@torch.no_grad()
-def level_grams(
-    model: LeveledModel, data: torch.Tensor, *, batch_size: int = 256, factor: bool = False
-) -> dict[int, torch.Tensor]:
-    """Client side of RegMean: each neuron level's design Gram ``X^T X`` over ``data``, float64.
-
-    For an affine level, ``X`` holds the level's design rows (:meth:`AffineLevel.design`: the
-    level's inputs computed by ``model`` itself, flattened or unfolded into patches, with a
-    trailing 1 for the bias), so the Gram has shape ``(fan_in + 1, fan_in + 1)``. For any other
-    level it is the block-diagonal packing of its mergeable modules' Grams (module docstring,
-    :func:`module_grams_layout`), each collected by a hook on the module's input
-    (:func:`~fedfuse.models.capture.hooked`). The model runs in eval mode on its current device
-    and is restored afterwards.
-
-    Args:
-        model: the client's model.
-        data: the client's training inputs ``(N, ...)``, normalised like the training data.
-        batch_size: samples per forward pass; design rows are further chunked to bound memory.
-        factor: give an affine level with fewer design rows than columns as its exact factor
-            ``R`` (``rows x columns``, ``R^T R = X^T X``; :mod:`fedfuse.io.grams`), which is
-            what a site with few samples uploads: a fraction of the matrix's size.
-
-    Returns:
-        ``{neuron level index: Gram}`` on the CPU, as :attr:`FusionInputs.grams` expects.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if len(data) == 0:
-        raise ValueError("level_grams needs at least one sample")
-    views = {i: affine_view(model.levels[i]) for i in model.neuron_levels}
-    views = {i: v for i, v in views.items() if v is not None}
-    layout = module_grams_layout(model)
-    grams: dict[int, torch.Tensor] = {
-        index: torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64)
-        for index, view in views.items()
-    }
-    # design rows kept while a level has fewer than its columns (then its Gram is sent as R)
-    kept: dict[int, list[torch.Tensor] | None] = {i: [] if factor else None for i in views}
-    blocks: dict[tuple[int, int], torch.Tensor] = {}
-    block_modules: dict[tuple[int, int], nn.Module] = {}
-    for level, level_blocks in layout.items():
-        modules = dict(model.levels[level].named_modules())
-        for number, block in enumerate(level_blocks):
-            blocks[level, number] = torch.zeros(block.size, block.size, dtype=torch.float64)
-            block_modules[level, number] = modules[block.modules[0]]
-
-    def record_level(index: int, _level: nn.Module, args: tuple[Any, ...], y: torch.Tensor) -> None:
-        x, view = args[0], views[index]
-        rows_per_sample = max(1, len(output_rows(y[:1])))
-        step = max(1, _ROW_BUDGET // rows_per_sample)
-        for chunk in range(0, len(x), step):
-            design = view.design(x[chunk : chunk + step]).double()
-            grams[index] += (design.T @ design).cpu()
-            rows = kept[index]
-            if rows is not None:
-                rows.append(design.cpu())
-                if sum(len(r) for r in rows) >= view.fan_in:
-                    kept[index] = None
-
-    def record_block(
-        key: tuple[int, int], module: nn.Module, args: tuple[Any, ...], _: None
-    ) -> None:
-        _accumulate(module, args[0], layout[key[0]][key[1]].bias, blocks[key])
-
-    with (
-        hooked(block_modules, record_block, before=True),
-        hooked({index: model.levels[index] for index in views}, record_level),
-    ):
-        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
-    for level, level_blocks in layout.items():
-        grams[level] = torch.block_diag(*(blocks[level, n] for n in range(len(level_blocks))))
-    for index, rows in kept.items():
-        if rows:
-            grams[index] = gram_factor(torch.cat(rows))
-    return dict(sorted(grams.items()))
 
 
 def _module_matrix(module: nn.Module, bias: bool) -> torch.Tensor:
@@ -300,6 +114,48 @@ def _average_state(models: list[LeveledModel]) -> dict[str, torch.Tensor]:
     return state
 
 
+@dataclass(frozen=True)
+class _System:
+    """One least-squares system of RegMean: its name, its modules (none: an affine level's
+    layer), whether it has an intercept, its side, and where it sits in its level's Gram (of
+    side ``level_size``)."""
+
+    name: str
+    modules: tuple[str, ...]
+    bias: bool
+    size: int
+    offset: int
+    level_size: int
+
+
+def _system_key(key: tuple[int, int]) -> str:
+    return f"{key[0]}" if key[1] == -1 else f"{key[0]}.{key[1]}"
+
+
+@dataclass(frozen=True)
+class GramTermsRequest:
+    """RegMean's request to each site when it fits from sums (``grams="sums"``): the site's
+    terms (:meth:`RegMean.site_terms`) or their norms (:meth:`RegMean.site_norms`) under the
+    server's ``fit_bias``."""
+
+    fit_bias: bool | str = "auto"
+
+    def site_terms(
+        self,
+        model: LeveledModel,
+        data: torch.Tensor,
+        *,
+        norms: bool = False,
+        device: str | torch.device = "auto",
+    ) -> dict[str, torch.Tensor]:
+        """A site's terms (or their norms) on its own ``data`` with its own ``model``."""
+        on = resolve_device(device)
+        own = copy.deepcopy(model).to(on).eval()
+        grams = level_grams(own, data.to(on))
+        method = RegMean(fit_bias=self.fit_bias)
+        return method.site_norms(model, grams) if norms else method.site_terms(model, grams)
+
+
 @register_fusion_method
 class RegMean(FusionMethod):
     r"""RegMean (Jin et al., 2023) as a one-shot federated method: per neuron level (or, in a
@@ -320,6 +176,11 @@ class RegMean(FusionMethod):
             ``"auto"`` exactly when its layer has a bias, True always (an error names a level
             whose layer has none), False never (a layer's bias is set to 0). A level that is not
             affine merges each module with its own bias, or without when it has none.
+        grams: ``"per-site"``: each site uploads its level Grams with its weights
+            (:attr:`FusionInputs.grams`); ``"sums"``: the server asks the sites
+            (:attr:`FusionInputs.sites`) for the sums over sites of ``G~_k`` and ``G~_k W_k``
+            alone (:meth:`site_terms`), which a secure channel (SecAgg+) hands over without any
+            site's own; the merge is the same.
 
     The system is solved in float64 with :func:`torch.linalg.solve_ex` (LU).
     """
@@ -328,9 +189,16 @@ class RegMean(FusionMethod):
     requires = frozenset({"grams"})
 
     def __init__(
-        self, alpha: float = 0.9, jitter: float = 1e-9, fit_bias: bool | str = "auto"
+        self,
+        alpha: float = 0.9,
+        jitter: float = 1e-9,
+        fit_bias: bool | str = "auto",
+        grams: str = "per-site",
     ) -> None:
         check_fit_bias(fit_bias, self.name)
+        if grams not in ("per-site", "sums"):
+            raise ValueError(f"regmean: grams must be 'per-site' or 'sums', got {grams!r}")
+        self.grams = grams
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"regmean: alpha must be in [0, 1], got {alpha}")
         if not jitter >= 0:
@@ -338,6 +206,14 @@ class RegMean(FusionMethod):
         self.alpha = float(alpha)
         self.jitter = float(jitter)
         self.fit_bias = fit_bias
+
+    def requirements(self) -> frozenset[str]:
+        return frozenset({"grams"} if self.grams == "per-site" else {"sites"})
+
+    def needs(self) -> frozenset[str]:
+        # a secure channel's fixed units come from the fusion set and the sample counts
+        extra = {"data", "sample_counts"} if self.grams == "sums" else set()
+        return self.requirements() | extra
 
     def check_architecture(self, model: LeveledModel) -> None:
         """Every neuron level must be affine or hold at least one Linear/Conv2d to merge."""
@@ -375,99 +251,202 @@ class RegMean(FusionMethod):
         shrunk.diagonal().add_((1.0 - self.alpha) * gram.diagonal())
         return shrunk
 
+    def _systems(self, model: LeveledModel) -> dict[tuple[int, int], _System]:
+        """The systems RegMean solves for ``model``'s architecture: one per affine level
+        (key ``(level, -1)``; the Grams have the 1, a fit without intercept drops it) and one
+        per Gram block of a level that is not affine (its modules' weight matrices side by side
+        as the right-hand side)."""
+        systems: dict[tuple[int, int], _System] = {}
+        for level in model.neuron_levels:
+            view = affine_view(model.levels[level])
+            if view is not None:
+                name = model.level_name(level)
+                bias = fit_intercept(view.layer, self.fit_bias, where=f"{self.name}: level {name}")
+                size = view.fan_in - int(not bias)
+                systems[level, -1] = _System(name, (), bias, size, 0, view.fan_in)
+        for level, blocks in module_grams_layout(model).items():
+            offset, total = 0, sum(block.size for block in blocks)
+            for number, block in enumerate(blocks):
+                name = f"{model.level_name(level)}/{'+'.join(block.modules)}"
+                systems[level, number] = _System(
+                    name, block.modules, block.bias, block.size, offset, total
+                )
+                offset += block.size
+        return systems
+
+    def _client_weights(
+        self, model: LeveledModel, systems: dict[tuple[int, int], _System]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Each system's weight matrix of one client (float64, CPU; the bias row only with an
+        intercept)."""
+        weights = {}
+        for (level, number), system in systems.items():
+            if number == -1:
+                matrix = affine_view(model.levels[level]).weights().double().cpu()
+                weights[level, number] = matrix if system.bias else matrix[:-1]
+                continue
+            modules = dict(model.levels[level].named_modules())
+            matrix = torch.cat([_module_matrix(modules[m], system.bias) for m in system.modules], 1)
+            weights[level, number] = matrix.double().cpu()
+        return weights
+
+    def _client_parts(
+        self,
+        model: LeveledModel,
+        grams: dict[int, torch.Tensor],
+        client: int,
+        systems: dict[tuple[int, int], _System],
+    ) -> Iterator[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]:
+        """``(key, Gram, weights)`` of every system for one client (float64, CPU), one level's
+        Gram read at a time."""
+        weights = self._client_weights(model, systems)
+        for level in sorted({key[0] for key in systems}):
+            keys = [key for key in systems if key[0] == level]
+            size = systems[keys[0]].level_size
+            gram = self._gram(grams, client, level, model.level_name(level), size)
+            for key in keys:
+                system = systems[key]
+                if key[1] == -1:
+                    part = gram if system.bias else gram[:-1, :-1]
+                else:
+                    rows = slice(system.offset, system.offset + system.size)
+                    part = gram[rows, rows]
+                yield key, part, weights[key]
+
+    def site_terms(
+        self, model: LeveledModel, grams: dict[int, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """What one site adds to the sums RegMean solves from (``grams="sums"``), per system:
+        ``G`` (``<system>/gram``), ``G W`` (``/rhs``) and ``diag(G) W`` (``/diag_rhs``), from
+        which ``sum G~`` and ``sum G~ W`` follow for any ``alpha``."""
+        terms = {}
+        for key, gram, weights in self._client_parts(model, grams, 0, self._systems(model)):
+            name = _system_key(key)
+            terms[f"{name}/gram"] = gram
+            terms[f"{name}/rhs"] = gram @ weights
+            terms[f"{name}/diag_rhs"] = gram.diagonal()[:, None] * weights
+        return terms
+
+    def site_norms(
+        self, model: LeveledModel, grams: dict[int, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Step 1 of a secure sum of :meth:`site_terms` (:mod:`fedfuse.fusion.summed_terms`):
+        per system, the norms of the design columns (roots of ``G``'s diagonal) and of the
+        outputs ``X W`` (roots of ``diag(W^T G W)``)."""
+        norms = {}
+        for key, gram, weights in self._client_parts(model, grams, 0, self._systems(model)):
+            name = _system_key(key)
+            norms[f"{name}/gram"] = gram.diagonal().clamp_min(0).sqrt()
+            norms[f"{name}/rhs"] = ((gram @ weights) * weights).sum(0).clamp_min(0).sqrt()
+        return norms
+
+    @torch.no_grad()
+    def _norm_units(
+        self, models: list[LeveledModel], data: torch.Tensor, samples: int
+    ) -> FixedPoint:
+        """The coarse units of step 1: the norms of a site of ``samples`` samples whose design
+        columns and outputs had the fusion set's (``data``) mean squares per sample, averaged
+        over the models."""
+        energies: dict[str, torch.Tensor] = {}
+        for model in models:
+            for name, norm in self.site_norms(model, level_grams(model, data)).items():
+                share = norm**2 / (len(data) * len(models))
+                energies[name] = energies[name] + share if name in energies else share
+        scales = {name: (coarse_norm_scale(e, samples), None) for name, e in energies.items()}
+        return FixedPoint(scales, clip=NORMS_CLIP)
+
+    def _units(self, norms: SiteSums, models: list[LeveledModel]) -> FixedPoint:
+        """The units of step 2: the summed norms, and for ``diag(G) W`` the design's squared
+        summed norms times the largest ``|W|`` of each output over the sites (the server holds
+        the W)."""
+        systems = self._systems(models[0])
+        largest: dict[tuple[int, int], torch.Tensor] = {}
+        for model in models:
+            for key, weights in self._client_weights(model, systems).items():
+                top = weights.abs().amax(0)
+                largest[key] = torch.maximum(largest[key], top) if key in largest else top
+        scales = {}
+        for key in systems:
+            name = _system_key(key)
+            inputs = norm_bound(norms.terms[f"{name}/gram"], norms.error.get(f"{name}/gram"))
+            outputs = norm_bound(norms.terms[f"{name}/rhs"], norms.error.get(f"{name}/rhs"))
+            scales[f"{name}/gram"] = (inputs, inputs)
+            scales[f"{name}/rhs"] = (inputs, outputs)
+            floor = max(float(largest[key].max()) * 1e-12, 1e-300)
+            scales[f"{name}/diag_rhs"] = (inputs**2, largest[key].clamp_min(floor))
+        return FixedPoint(scales)
+
+    def _summed_terms(
+        self, models: list[LeveledModel], inputs: FusionInputs
+    ) -> tuple[SiteSums, dict[int, int]]:
+        """The sums of :meth:`site_terms` over the sites: two secure rounds on a secure
+        channel (norms, then terms), else one."""
+        request = GramTermsRequest(self.fit_bias)
+        if not getattr(inputs.sites, "secure", False):
+            sums = sum_over_sites(inputs.sites, SummedRequest(request))
+            return sums, dict(sums.upload_bytes)
+        if inputs.data is None:
+            raise ValueError(f"{self.name}: a secure sum needs the fusion set for its first units")
+        samples = max(inputs.sample_counts or [len(inputs.data)])
+        coarse = self._norm_units(models, inputs.data, samples)
+        norms = sum_over_sites(inputs.sites, SummedRequest(request, coarse, norms=True))
+        sums = sum_over_sites(inputs.sites, SummedRequest(request, self._units(norms, models)))
+        sent = {m: norms.upload_bytes.get(m, 0) + sums.upload_bytes.get(m, 0) for m in sums.sites}
+        return sums, sent
+
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         fused = build_model(target)
+        systems = self._systems(fused)
+        totals, rhs = {}, {}
+        details: dict[str, Any] = {"alpha": self.alpha}
+        if self.grams == "sums":
+            sums, sent = self._summed_terms(models, inputs)
+            models = [models[m] for m in sums.sites]
+            for key in systems:
+                name = _system_key(key)
+                totals[key] = self._shrink(sums.terms[f"{name}/gram"])
+                rhs[key] = self.alpha * sums.terms[f"{name}/rhs"]
+                rhs[key] += (1 - self.alpha) * sums.terms[f"{name}/diag_rhs"]
+            details["sites"] = sums.sites
+            details["upload_bytes"] = {str(m): size for m, size in sent.items()}
+        else:
+            # Stream over the clients: one client's Grams in memory at a time (they may be
+            # memory-mapped files of a thousand sites), the per-system sums accumulated.
+            assert inputs.grams is not None
+            for client, (model, grams) in enumerate(zip(models, inputs.grams, strict=True)):
+                for key, gram, weights in self._client_parts(model, grams, client, systems):
+                    shrunk = self._shrink(gram)
+                    totals[key] = totals[key] + shrunk if key in totals else shrunk
+                    product = shrunk @ weights
+                    rhs[key] = rhs[key] + product if key in rhs else product
+                del grams
         fused.load_state_dict(_average_state(models))  # what no Gram merges is averaged
-        views = {i: affine_view(fused.levels[i]) for i in fused.neuron_levels}
-        layout = module_grams_layout(fused)
-        # One system per affine level, or per block of a non-affine level (its modules' weight
-        # matrices side by side as the right-hand side): key (level, block or -1).
-        systems: dict[tuple[int, int], tuple[str, list[nn.Module], bool, int]] = {}
-        for level, view in views.items():
-            if view is not None:  # the Grams have the 1; a fit without intercept drops it
-                name = fused.level_name(level)
-                bias = fit_intercept(view.layer, self.fit_bias, where=f"{self.name}: level {name}")
-                systems[level, -1] = (name, [view.layer], bias, view.fan_in - int(not bias))
-        for level, blocks in layout.items():
-            modules = dict(fused.levels[level].named_modules())
-            for number, block in enumerate(blocks):
-                name = f"{fused.level_name(level)}/{'+'.join(block.modules)}"
-                members = [modules[m] for m in block.modules]
-                systems[level, number] = (name, members, block.bias, block.size)
-        sizes = {
-            level: (views[level].fan_in if views[level] is not None else None)
-            for level in fused.neuron_levels
-        }
-        for level, blocks in layout.items():
-            sizes[level] = sum(b.size for b in blocks)
-        # Stream over the clients: one client's Grams in memory at a time (they may be
-        # memory-mapped files of a thousand sites), the per-system sums accumulated.
-        totals, rhs, means = {}, {}, {}
-        for key, (_, members, _, size) in systems.items():
-            out = sum(m.weight.shape[0] for m in members)
-            totals[key] = torch.zeros(size, size, dtype=torch.float64)
-            rhs[key] = torch.zeros(size, out, dtype=torch.float64)
-            means[key] = torch.zeros(size, out, dtype=torch.float64)
-        assert inputs.grams is not None
-        for client, (model, grams) in enumerate(zip(models, inputs.grams, strict=True)):
-            client_modules = {level: dict(model.levels[level].named_modules()) for level in layout}
-            for level in fused.neuron_levels:
-                gram = self._gram(grams, client, level, fused.level_name(level), sizes[level])
-                if views[level] is not None:
-                    weights = affine_view(model.levels[level]).weights().double().cpu()
-                    if not systems[level, -1][2]:  # without intercept: drop the 1 and the bias
-                        gram, weights = gram[:-1, :-1], weights[:-1]
-                    self._add(totals, rhs, means, (level, -1), gram, weights, len(models))
-                    continue
-                offset = 0
-                for number, block in enumerate(layout[level]):
-                    part = gram[offset : offset + block.size, offset : offset + block.size]
-                    offset += block.size
-                    weights = torch.cat(
-                        [
-                            _module_matrix(client_modules[level][m], block.bias)
-                            for m in block.modules
-                        ],
-                        1,
-                    )
-                    self._add(
-                        totals, rhs, means, (level, number), part, weights.double().cpu(),
-                        len(models),
-                    )  # fmt: skip
-            del grams
+        means = {key: torch.zeros_like(rhs[key]) for key in systems}
+        for model in models:
+            for key, weights in self._client_weights(model, systems).items():
+                means[key] += weights / len(models)
         ridges: dict[str, float] = {}
-        for key, (name, members, bias, _) in systems.items():
+        for key, system in systems.items():
             merged, relative = _solve_regularised(
-                totals[key], rhs[key], means[key], self.jitter, name
+                totals[key], rhs[key], means[key], self.jitter, system.name
             )
+            level_modules = dict(fused.levels[key[0]].named_modules())
             if key[1] == -1:
-                replace(views[key[0]], bias=bias).set_weights(merged)
+                view = affine_view(fused.levels[key[0]])
+                replace(view, bias=system.bias).set_weights(merged)
             else:
                 column = 0
-                for module in members:
+                for module_name in system.modules:
+                    module = level_modules[module_name]
                     out = module.weight.shape[0]
-                    _set_module_matrix(module, merged[:, column : column + out], bias)
+                    _set_module_matrix(module, merged[:, column : column + out], system.bias)
                     column += out
-            ridges[name] = relative
-            log.debug("regmean %s: ridge %.1e (relative)", name, relative)
-        return fused.eval(), {"alpha": self.alpha, "ridge": ridges}
-
-    def _add(
-        self,
-        totals: dict,
-        rhs: dict,
-        means: dict,
-        key: tuple[int, int],
-        gram: torch.Tensor,
-        weights: torch.Tensor,
-        count: int,
-    ) -> None:
-        shrunk = self._shrink(gram)
-        totals[key] += shrunk
-        rhs[key] += shrunk @ weights
-        means[key] += weights / count
+            ridges[system.name] = relative
+            log.debug("regmean %s: ridge %.1e (relative)", system.name, relative)
+        details["ridge"] = ridges
+        return fused.eval(), details
 
 
 def _solve_regularised(
@@ -491,4 +470,11 @@ def _solve_regularised(
     raise ValueError(f"regmean: the Gram system of level {name} stays singular (NaN inputs?)")
 
 
-__all__ = ["GramBlock", "RegMean", "level_grams", "mergeable", "module_grams_layout"]
+__all__ = [
+    "GramBlock",
+    "GramTermsRequest",
+    "RegMean",
+    "level_grams",
+    "mergeable",
+    "module_grams_layout",
+]

@@ -66,9 +66,10 @@ from fedfuse.fusion.site_statistics import (
     SiteChannel,
     SiteStatistics,
     StatisticsRequest,
-    summed,
+    checked_replies,
     without_intercept,
 )
+from fedfuse.fusion.summed_terms import summed_statistics
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 
@@ -270,7 +271,7 @@ class SiteInterpolation(FusionMethod):
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
         stream: dict[int, torch.Tensor] = {}  # each site's reading of the residual stream
         self._noise_multiplier, self._clips = None, []
-        self._fusion_data = inputs.data
+        self._fusion_data, self._sample_counts = inputs.data, inputs.sample_counts
         if self.dp_epsilon is not None:
             rounds = sum(len(linear_pieces(fused.levels[i]) or ()) for i in levels)
             self._noise_multiplier = calibrate_noise(self.dp_epsilon, self.dp_delta, rounds)
@@ -358,30 +359,22 @@ class SiteInterpolation(FusionMethod):
             privacy=privacy,
             readings=readings,
         )
-        replies = sites.gather(request)
-        collected = time.perf_counter() - started
         level = fused.levels[index]
-        stream_width = piece.width(level) if piece.stream is not None else None
-        statistics: dict[int, SiteStatistics] = {}
-        for model_index in active:
-            stats = replies[model_index]
-            if stats is None:
-                continue
-            own_level = models[model_index].levels[index]
-            own_pieces = linear_pieces(own_level)
-            assert own_pieces is not None
-            stats.check(
-                piece.fan_in(level),
-                own_pieces[number].width(own_level) if readings is None else piece.width(level),
-                source=f"{self.name}: site {model_index}",
-                stream_width=stream_width,
-            )
-            statistics[model_index] = stats
-        dropped = [m for m in active if m not in statistics]
         name = fused.level_name(index) + (f" {piece.name}" if piece.name != "affine" else "")
+        where = f"{self.name}: level {name}"
+        if self.statistics == "sums":
+            counts = self._sample_counts or [len(self._fusion_data)]
+            samples = max(min(c, self.max_samples or c) for c in counts)
+            units = (self._fusion_data, samples)
+            statistics, upload = summed_statistics(sites, request, models, active, units, where)
+        else:
+            statistics = checked_replies(sites.gather(request), request, models, active, where)
+            upload = {m: s.payload_bytes() for m, s in statistics.items()}
+        collected = time.perf_counter() - started
+        dropped = [m for m in active if m not in statistics and m not in upload]
         if dropped:
             log.warning("%s: sites %s gave no statistics for %s", self.name, dropped, name)
-        active = [m for m in active if m in statistics]
+        active = [m for m in active if m in statistics or m in upload]
         if len(active) < (2 if self.grouping == "hungarian" else 1):
             raise ValueError(
                 f"{self.name}: statistics of level {name} came from sites {active} only: "
@@ -391,13 +384,12 @@ class SiteInterpolation(FusionMethod):
         if drop_ones:
             statistics = {m: without_intercept(s) for m, s in statistics.items()}
         weights = {
-            m: torch.ones(s.cross.shape[1]) if piece.inner else scores[m][index]
+            m: torch.ones(s.cross.shape[1]) if piece.inner or m < 0 else scores[m][index]
             for m, s in statistics.items()
         }
-        if self.statistics == "sums":  # read as the sum secure aggregation would give
-            total = summed([statistics[m] for m in active])
+        if self.statistics == "sums":  # one sum over the sites (statistics[-1])
             width = piece.width(level)
-            fitted, gram, info = self._fit_level(index, {0: total}, {}, True, width)
+            fitted, gram, info = self._fit_level(index, statistics, {}, True, width)
             info.update(grouping)
             info.pop("readings", None)
         elif piece.kind == "logits":
@@ -409,9 +401,9 @@ class SiteInterpolation(FusionMethod):
                 weights,
                 is_head,
                 piece.width(level),
-                stream if stream_width is not None else None,
+                stream if piece.stream is not None else None,
             )
-            if not (piece.inner or is_head or stream_width is not None):
+            if not (piece.inner or is_head or piece.stream is not None):
                 stream.clear()
                 stream.update(info.pop("readings"))
             info.pop("readings", None)
@@ -420,7 +412,7 @@ class SiteInterpolation(FusionMethod):
         piece.load(level, fitted, gram)
         info.update(
             level=fused.level_name(index),
-            sites=list(statistics),
+            sites=active,
             dropped_sites=dropped,
             collect_seconds=collected,
             seconds=time.perf_counter() - started,
@@ -433,7 +425,7 @@ class SiteInterpolation(FusionMethod):
         details["rounds"].append(
             {
                 "level": name,
-                "upload_bytes": {str(m): s.payload_bytes() for m, s in statistics.items()},
+                "upload_bytes": {str(m): size for m, size in upload.items()},
             }
         )
         return active

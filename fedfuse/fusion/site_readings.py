@@ -22,8 +22,8 @@ sites once the readings are known before the round:
 3. **Fit on the sums**: ``W = (sum G_k + lambda I)^{-1} sum_k X_k^T Z_k P_k^T``, the ridge chosen
    by GCV from the summed target moments: the per-site fit with these readings, exactly.
 
-The sums (:func:`~fedfuse.fusion.site_statistics.summed`) are what secure aggregation can hand
-the server instead of each site's reply (``docs/privacy.md``). Each reply still carries the
+The sums (:mod:`fedfuse.fusion.summed_terms`) are what secure aggregation hands the server
+instead of each site's reply (``docs/privacy.md``). Without it, each reply still carries the
 site's translation of its mapped targets, which the sum-only fit does not read.
 """
 

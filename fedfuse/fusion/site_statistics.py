@@ -480,22 +480,45 @@ class LocalSites:
         ]
 
 
-def summed(statistics: Sequence[SiteStatistics]) -> SiteStatistics:
-    """The sum of the sites' statistics of one round (what secure aggregation would give the
-    server): Grams, cross-moments and target moments added, rows counted. The translation of
-    the sum is not a sum of translations, so it is left out (zeros)."""
-    first = statistics[0]
-    gram = sum(s.full_gram() for s in statistics)
-    cross = sum(s.cross.double() for s in statistics)
-    return SiteStatistics(
-        level=first.level,
-        rows=sum(s.rows for s in statistics),
-        gram=gram,  # type: ignore[arg-type]
-        cross=cross,  # type: ignore[arg-type]
-        target_gram=sum(s.target_gram.double() for s in statistics),  # type: ignore[arg-type]
-        translation=torch.zeros_like(first.translation, dtype=torch.float64),
-        piece=first.piece,
+def check_reply(
+    reply: SiteStatistics, request: StatisticsRequest, model: LeveledModel, source: str
+) -> None:
+    """Raise ValueError naming ``source`` unless ``reply`` answers ``request`` with the shapes
+    and values of the piece of the site's own ``model``."""
+    if (reply.level, reply.piece) != (request.level, request.piece):
+        raise ValueError(
+            f"{source}: answered for level {reply.level} piece {reply.piece}, not "
+            f"{request.level} piece {request.piece}"
+        )
+    level, piece = request.fused.levels[request.level], request.linear_piece
+    own_level = model.levels[request.level]
+    own_pieces = linear_pieces(own_level)
+    if own_pieces is None or len(own_pieces) <= request.piece:
+        raise ValueError(f"{source}: its model has no piece {request.piece} here")
+    reply.check(
+        piece.fan_in(level),
+        own_pieces[request.piece].width(own_level),
+        source=source,
+        stream_width=piece.width(level) if piece.stream is not None else None,
     )
+
+
+def checked_replies(
+    replies: Sequence[SiteStatistics | None],
+    request: StatisticsRequest,
+    models: Sequence[LeveledModel],
+    active: Sequence[int],
+    where: str,
+) -> dict[int, SiteStatistics]:
+    """The replies of the ``active`` sites that answered, by model index, each checked against
+    its own model's piece (:func:`check_reply`; ValueError naming ``where`` and the site)."""
+    statistics = {}
+    for index in active:
+        reply = replies[index]
+        if reply is not None:
+            check_reply(reply, request, models[index], f"{where}: site {index}")
+            statistics[index] = reply
+    return statistics
 
 
 __all__ = [
@@ -508,6 +531,7 @@ __all__ = [
     "compress_gram",
     "site_statistics",
     "statistics_round_bytes",
-    "summed",
+    "check_reply",
+    "checked_replies",
     "without_intercept",
 ]

@@ -77,6 +77,7 @@ RANGES: dict[str, Range] = {
     "finetune_label_smoothing": Range(0, 0.999, integer=False),
     "finetune_restart_epochs": Range(0, 10_000),
     "threads": Range(0, 1_024),
+    "secure_threshold": Range(0, 1, integer=False, open_low=True),
 }
 #: the allowed values of the fields that name a choice
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -148,6 +149,8 @@ class RunSettings:
     finetune_min_lr: float = 1e-06
     finetune_label_smoothing: float = 0.1
     finetune_restart_epochs: int = 0
+    secure_aggregation: bool = False
+    secure_threshold: float = 0.5
     device: str = "auto"
     threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -11,7 +11,7 @@ import torch
 from fedfuse.clients.records import pack_statistics_request, unpack_statistics_request
 from fedfuse.fusion import FusionInputs, KFSites, LocalSites, StatisticsRequest, site_statistics
 from fedfuse.fusion.site_readings import fusion_set_readings, readings_from_groups
-from fedfuse.fusion.site_statistics import summed
+from fedfuse.fusion.summed_terms import add_terms, statistics_from_terms, statistics_terms
 from fedfuse.models import build_model, mlp_spec, resnet_spec
 from tests.helpers import randn
 
@@ -44,7 +44,9 @@ def test_mapped_statistics_of_two_sites_add_up_to_those_of_the_pooled_data():
     a, b = randn(1, 20, 1, 3, 3), randn(2, 13, 1, 3, 3)
     parts = [site_statistics(model, d, request, device="cpu") for d in (a, b)]
     pooled = site_statistics(model, torch.cat([a, b]), request, device="cpu")
-    total = summed(parts)
+    total = statistics_from_terms(
+        add_terms([statistics_terms(p) for p in parts]), 0, 0, source="test"
+    )
     assert total.rows == pooled.rows == 33
     for name in ("gram", "cross", "target_gram"):
         torch.testing.assert_close(

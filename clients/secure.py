@@ -1,0 +1,102 @@
+"""The site's side of secure aggregation: Flower's SecAgg+ client mod on summed rounds.
+
+Flower's ``secaggplus_mod`` takes over every train message, so the ClientApp wraps it:
+:func:`secure_sums_mod` hands it only the messages of Flower's SecAgg+ workflow (those carrying
+its ``secaggplus`` config record), and every other message goes on to the app's handlers as
+before. In the stage where SecAgg+ collects the masked vectors, the mod asks
+:func:`_masked_terms` for the site's vector: the site's terms of the summed round
+(:func:`~fedfuse.federation.site.answer_sum_request`, in the request's fixed units), as the
+parameters of a ``FitRes`` with weight 1. SecAgg+ clips them to its range, quantises, masks
+them, and clears the arrays before the reply leaves the site, so the server never sees them.
+
+``FEDFUSE_SECURE_FAULT="<partition id>:<stage>"`` (test only) makes that site fail when the
+SecAgg+ stage (``setup``, ``share_keys``, ``collect_masked_vectors``, ``unmask``) reaches it:
+how the tests drop a site mid-protocol in a real simulation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flwr.app import Context, Message, MessageType
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+)
+from flwr.compat.common import recorddict_compat as compat
+
+from fedfuse.federation.site import answer_sum_request
+from fedfuse.fusion.site_statistics import StatisticsRequest
+from fedfuse.runtime import configure_logging
+from fedfuse.settings.run import RunSettings
+
+from .site_context import count_round, site_identity, site_policy
+from .sum_records import unpack_sum_request
+
+log = logging.getLogger(__name__)
+
+#: the environment variable of the test-only fault (module docstring)
+FAULT_VARIABLE = "FEDFUSE_SECURE_FAULT"
+
+
+def is_secure_message(msg: Message) -> bool:
+    """Whether ``msg`` belongs to Flower's SecAgg+ workflow."""
+    return (
+        msg.metadata.message_type == MessageType.TRAIN
+        and RECORD_KEY_CONFIGS in msg.content.config_records
+    )
+
+
+def secure_sums_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """A ClientApp mod: SecAgg+ for the secure summed rounds, the app's handlers for the rest."""
+    if not is_secure_message(msg):
+        return call_next(msg, context)
+    _inject_fault(msg, context)
+    return secaggplus_mod(msg, context, _masked_terms)
+
+
+def _inject_fault(msg: Message, context: Context) -> None:
+    fault = os.environ.get(FAULT_VARIABLE, "")
+    if not fault:
+        return
+    partition, _, stage = fault.partition(":")
+    here = str(context.node_config.get("partition-id", ""))
+    if partition == here and msg.content.config_records[RECORD_KEY_CONFIGS].get(Key.STAGE) == stage:
+        raise RuntimeError(f"{FAULT_VARIABLE}: site {here} drops out at SecAgg+ stage {stage!r}")
+
+
+def _masked_terms(msg: Message, context: Context) -> Message:
+    """The site's terms as SecAgg+ reads them: a FitRes whose parameters are the terms in the
+    request's fixed units, by sorted name, with weight 1 (the server adds, not averages)."""
+    configure_logging()
+    settings = RunSettings.from_config(context.run_config)
+    partition_id, num_partitions, data_path = site_identity(context)
+    summed, model = unpack_sum_request(msg.content)
+    if summed.units is None:
+        raise ValueError("a secure summed round must carry its fixed units")
+    policy = site_policy(context)
+    kind = "rounds" if isinstance(summed.request, StatisticsRequest) else "grams"
+    # step 1 of a sum (its norms) is counted with the terms it prepares
+    policy.check_round(kind, count_round(context, count=not summed.norms))
+    terms = answer_sum_request(
+        settings, summed, model, partition_id, num_partitions, data_path=data_path, policy=policy
+    )
+    arrays = [terms[name].double().numpy() for name in sorted(terms)]
+    secagg = context.state.config_records.get(RECORD_KEY_STATE)
+    clip = float(secagg.get("clipping_range", 0.0)) if secagg is not None else 0.0
+    largest = max(float(abs(a).max()) for a in arrays)
+    if clip and largest > clip:  # SecAgg+ clips silently; the site at least says so
+        log.warning(
+            "site %d: a term reaches %.3g in fixed units, beyond SecAgg+'s range %.3g; it is "
+            "clipped",
+            partition_id,
+            largest,
+            clip,
+        )
+    reply = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1, {})
+    return Message(compat.fitres_to_recorddict(reply, keep_input=False), reply_to=msg)

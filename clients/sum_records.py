@@ -1,0 +1,83 @@
+"""Flower records of a round summed over sites (:mod:`fedfuse.fusion.summed_terms`): the
+server's request to one site.
+
+A request is either a statistics request (``kf-sites`` / ``hf-sites`` with
+``statistics="sums"``, packed as for a statistics round) or RegMean's (``grams="sums"``: the
+site's own model and ``fit_bias``), plus whether the round asks the norms and the fixed units
+of a secure sum. Under secure
+aggregation the site's terms never travel as such: Flower's SecAgg+ client mod masks them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedfuse.fusion.fixed_point import FixedPoint
+from fedfuse.fusion.regmean import GramTermsRequest
+from fedfuse.fusion.site_statistics import StatisticsRequest
+from fedfuse.fusion.summed_terms import SummedRequest
+from fedfuse.io.validation import model_from_state
+from fedfuse.models import LeveledModel, ModelSpec
+
+from .records import (
+    WEIGHTS_KEY,
+    pack_statistics_request,
+    unpack_statistics_request,
+    unpack_tensors,
+)
+
+#: the record saying what is summed ("statistics" or "regmean") and RegMean's options
+SUM_REQUEST_KEY = "fedfuse.sum-request"
+#: the fixed units' scales (ArrayRecord) of a secure sum
+UNITS_KEY = "fedfuse.sum-units"
+
+
+def pack_sum_request(summed: SummedRequest, model: LeveledModel) -> RecordDict:
+    """The request of a summed round to one site (``summed.for_site(i)``)."""
+    request = summed.request
+    if isinstance(request, StatisticsRequest):
+        content = pack_statistics_request(request, model)
+        config: dict = {"kind": "statistics"}
+    else:
+        content = RecordDict({WEIGHTS_KEY: ArrayRecord(model.state_dict())})
+        config = {
+            "kind": "regmean",
+            "model-spec": json.dumps(model.spec.to_dict()),
+            "fit-bias": json.dumps(request.fit_bias),
+        }
+    config["norms"] = summed.norms
+    if summed.units is not None:
+        config["units-clip"] = summed.units.clip
+        content.array_records[UNITS_KEY] = ArrayRecord(
+            {name: scale.double() for name, scale in summed.units.tensors().items()}
+        )
+    content.config_records[SUM_REQUEST_KEY] = ConfigRecord(config)
+    return content
+
+
+def unpack_sum_request(content: RecordDict) -> tuple[SummedRequest, LeveledModel]:
+    """The round and the site's model from a summed round's message (ValueError when
+    malformed)."""
+    try:
+        config = content.config_records[SUM_REQUEST_KEY]
+        kind, norms = str(config["kind"]), bool(config["norms"])
+        units = None
+        if UNITS_KEY in content.array_records:
+            scales = unpack_tensors(content.array_records[UNITS_KEY])
+            units = FixedPoint.from_tensors(scales, float(config["units-clip"]))
+        if kind == "statistics":
+            request, model = unpack_statistics_request(content)
+            return SummedRequest(request, units, norms), model
+        if kind != "regmean":
+            raise ValueError(f"unknown kind {kind!r}")
+        spec = ModelSpec.from_dict(json.loads(str(config["model-spec"])))
+        state = unpack_tensors(content.array_records[WEIGHTS_KEY])
+        fit_bias = json.loads(str(config["fit-bias"]))
+        if not (isinstance(fit_bias, bool) or fit_bias == "auto"):
+            raise ValueError(f"fit-bias {fit_bias!r}")
+    except (KeyError, TypeError, ValueError, RecursionError) as error:
+        raise ValueError(f"malformed summed-round request ({error!r})") from None
+    model = model_from_state(spec, state, source="the site's model in the request")
+    return SummedRequest(GramTermsRequest(fit_bias), units, norms), model

@@ -1,0 +1,214 @@
+"""RegMean's client side: the Gram matrices of each neuron level's design rows on a site's own
+data (:func:`level_grams`), and how the mergeable modules of a level that is not affine share
+them (:func:`module_grams_layout`). :mod:`fedfuse.fusion.regmean` says what they are for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedfuse.io.grams import gram_factor
+from fedfuse.models import LeveledModel
+from fedfuse.models.affine import _patches, affine_view, output_rows
+from fedfuse.models.capture import hooked, run_batches
+
+#: rows of the design matrix multiplied at once in :func:`level_grams` (bounds memory for convs)
+_ROW_BUDGET = 1 << 14
+
+
+@dataclass(frozen=True)
+class GramBlock:
+    """One Gram of a non-affine level: the mergeable modules reading one input the same way.
+
+    Attributes:
+        modules: the modules' qualified names inside the level (``"attention.q"``, ``"conv1"``).
+        size: the Gram's side: the modules' fan-in, plus one when they have a bias.
+        bias: whether the design rows carry the trailing 1 (the modules have biases).
+    """
+
+    modules: tuple[str, ...]
+    size: int
+    bias: bool
+
+
+def mergeable(module: nn.Module) -> bool:
+    """Whether RegMean merges ``module`` by its Gram: an ``nn.Linear``, or an ``nn.Conv2d``
+    without groups, dilation-free or not, zero-padded by explicit amounts."""
+    if isinstance(module, nn.Linear):
+        return True
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and isinstance(module.padding, tuple)
+    )
+
+
+def _mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in level.named_modules() if name and mergeable(m)]
+
+
+def _reading(module: nn.Module) -> tuple[Any, ...]:
+    """How a module turns its input into design rows (equal: the rows are equal)."""
+    if isinstance(module, nn.Conv2d):
+        return ("conv", module.kernel_size, module.stride, module.padding, module.dilation)
+    return ("linear", module.in_features)
+
+
+def _has_bias(module: nn.Module) -> bool:
+    return getattr(module, "bias", None) is not None
+
+
+def _block_size(module: nn.Module) -> int:
+    return module.weight[0].numel() + int(_has_bias(module))
+
+
+@torch.no_grad()
+def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
+    """The Gram blocks of every non-affine neuron level of ``model``, in packing order.
+
+    Found by one forward pass of a zero input through ``model`` (on its device, in eval mode)
+    with hooks on the mergeable modules: those that receive the very same input tensor and read
+    it the same way (same kernel, stride, padding, or both linear; both biased or both not)
+    share a block. Modules the forward never calls get no block (they are averaged).
+    """
+    levels = [i for i in model.neuron_levels if affine_view(model.levels[i]) is None]
+    seen: dict[tuple[int, str], torch.Tensor] = {}  # the inputs are kept alive: ids stay unique
+
+    def record(key: tuple[int, str], _module: nn.Module, args: tuple[Any, ...], _: None) -> None:
+        seen.setdefault(key, args[0])
+
+    watched = {
+        (level, name): module
+        for level in levels
+        for name, module in _mergeable_modules(model.levels[level])
+    }
+    device = next(model.parameters()).device
+    probe = torch.zeros(1, *model.spec.input_shape, device=device)
+    with hooked(watched, record, before=True):
+        run_batches(model, probe, batch_size=1, device=device)
+    layout: dict[int, list[GramBlock]] = {}
+    for level in levels:
+        groups: dict[tuple[Any, ...], list[str]] = {}
+        sizes: dict[tuple[Any, ...], tuple[int, bool]] = {}
+        for name, module in _mergeable_modules(model.levels[level]):
+            if (level, name) not in seen:
+                continue
+            key = (id(seen[level, name]), _reading(module), _has_bias(module))
+            groups.setdefault(key, []).append(name)
+            sizes[key] = (_block_size(module), _has_bias(module))
+        layout[level] = [GramBlock(tuple(names), *sizes[key]) for key, names in groups.items()]
+    return layout
+
+
+def _design_rows(module: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
+    if isinstance(module, nn.Conv2d):
+        rows = _patches(x, module)
+    else:
+        rows = x.reshape(-1, module.in_features)
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
+    return rows
+
+
+def _accumulate(module: nn.Module, x: torch.Tensor, bias: bool, gram: torch.Tensor) -> None:
+    """Add the design Gram of the inputs ``x`` of ``module`` to ``gram`` (CPU, float64)."""
+    if isinstance(module, nn.Conv2d):
+        positions = 1  # output positions per sample (calling the module would re-enter hooks)
+        for size, kernel, stride, pad, dilation in zip(
+            x.shape[2:], module.kernel_size, module.stride, module.padding, module.dilation,
+            strict=True,
+        ):  # fmt: skip
+            positions *= max(1, (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1)
+        step = max(1, _ROW_BUDGET // positions)
+        for chunk in range(0, len(x), step):
+            design = _design_rows(module, x[chunk : chunk + step], bias).double()
+            gram += (design.T @ design).cpu()
+        return
+    rows = x.reshape(-1, module.in_features)
+    for chunk in range(0, len(rows), _ROW_BUDGET):
+        design = _design_rows(module, rows[chunk : chunk + _ROW_BUDGET], bias).double()
+        gram += (design.T @ design).cpu()
+
+
+@torch.no_grad()
+def level_grams(
+    model: LeveledModel, data: torch.Tensor, *, batch_size: int = 256, factor: bool = False
+) -> dict[int, torch.Tensor]:
+    """Client side of RegMean: each neuron level's design Gram ``X^T X`` over ``data``, float64.
+
+    For an affine level, ``X`` holds the level's design rows (:meth:`AffineLevel.design`: the
+    level's inputs computed by ``model`` itself, flattened or unfolded into patches, with a
+    trailing 1 for the bias), so the Gram has shape ``(fan_in + 1, fan_in + 1)``. For any other
+    level it is the block-diagonal packing of its mergeable modules' Grams (module docstring,
+    :func:`module_grams_layout`), each collected by a hook on the module's input
+    (:func:`~fedfuse.models.capture.hooked`). The model runs in eval mode on its current device
+    and is restored afterwards.
+
+    Args:
+        model: the client's model.
+        data: the client's training inputs ``(N, ...)``, normalised like the training data.
+        batch_size: samples per forward pass; design rows are further chunked to bound memory.
+        factor: give an affine level with fewer design rows than columns as its exact factor
+            ``R`` (``rows x columns``, ``R^T R = X^T X``; :mod:`fedfuse.io.grams`), which is
+            what a site with few samples uploads: a fraction of the matrix's size.
+
+    Returns:
+        ``{neuron level index: Gram}`` on the CPU, as :attr:`FusionInputs.grams` expects.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if len(data) == 0:
+        raise ValueError("level_grams needs at least one sample")
+    views = {i: affine_view(model.levels[i]) for i in model.neuron_levels}
+    views = {i: v for i, v in views.items() if v is not None}
+    layout = module_grams_layout(model)
+    grams: dict[int, torch.Tensor] = {
+        index: torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64)
+        for index, view in views.items()
+    }
+    # design rows kept while a level has fewer than its columns (then its Gram is sent as R)
+    kept: dict[int, list[torch.Tensor] | None] = {i: [] if factor else None for i in views}
+    blocks: dict[tuple[int, int], torch.Tensor] = {}
+    block_modules: dict[tuple[int, int], nn.Module] = {}
+    for level, level_blocks in layout.items():
+        modules = dict(model.levels[level].named_modules())
+        for number, block in enumerate(level_blocks):
+            blocks[level, number] = torch.zeros(block.size, block.size, dtype=torch.float64)
+            block_modules[level, number] = modules[block.modules[0]]
+
+    def record_level(index: int, _level: nn.Module, args: tuple[Any, ...], y: torch.Tensor) -> None:
+        x, view = args[0], views[index]
+        rows_per_sample = max(1, len(output_rows(y[:1])))
+        step = max(1, _ROW_BUDGET // rows_per_sample)
+        for chunk in range(0, len(x), step):
+            design = view.design(x[chunk : chunk + step]).double()
+            grams[index] += (design.T @ design).cpu()
+            rows = kept[index]
+            if rows is not None:
+                rows.append(design.cpu())
+                if sum(len(r) for r in rows) >= view.fan_in:
+                    kept[index] = None
+
+    def record_block(
+        key: tuple[int, int], module: nn.Module, args: tuple[Any, ...], _: None
+    ) -> None:
+        _accumulate(module, args[0], layout[key[0]][key[1]].bias, blocks[key])
+
+    with (
+        hooked(block_modules, record_block, before=True),
+        hooked({index: model.levels[index] for index in views}, record_level),
+    ):
+        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
+    for level, level_blocks in layout.items():
+        grams[level] = torch.block_diag(*(blocks[level, n] for n in range(len(level_blocks))))
+    for index, rows in kept.items():
+        if rows:
+            grams[index] = gram_factor(torch.cat(rows))
+    return dict(sorted(grams.items()))
+
+
+__all__ = ["GramBlock", "level_grams", "mergeable", "module_grams_layout"]
