@@ -22,13 +22,15 @@ calls it makes (:class:`_Collector`): which nodes to ask, and what to do with th
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
@@ -116,6 +118,51 @@ class _Collector:
         return None, {}
 
 
+class _WatchedGrid:
+    """The run's grid as the workflow sees it, noting each node that fails or stays silent in a
+    stage (Flower's workflow only counts them)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.dropped: dict[int, str] = {}
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
+        messages = list(messages)
+        stage = _stage(messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        answered = set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            if reply.has_error():
+                self.dropped.setdefault(node, f"failed at stage {stage}: {reply.error.reason}")
+        for message in messages:
+            node = message.metadata.dst_node_id
+            if node not in answered:
+                self.dropped.setdefault(node, f"no reply at stage {stage}")
+        return replies
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+
+def _stage(messages: list[Message]) -> str:
+    if not messages:
+        return "?"
+    configs = messages[0].content.config_records.get(RECORD_KEY_CONFIGS)
+    return str(configs.get(SecAggKey.STAGE, "?")) if configs is not None else "?"
+
+
+@dataclass
+class SecureOutcome:
+    """One SecAgg+ round: the sum (None when the protocol halted), the nodes whose vectors it
+    holds, and the nodes that failed or fell silent, with the stage."""
+
+    total: list[np.ndarray] | None
+    contributors: list[int]
+    dropped: dict[int, str]
+
+
 class _SummedRound(SecAggPlusWorkflow):
     """SecAgg+ whose collect stage sends each node fedfuse's request instead of a FitIns."""
 
@@ -136,10 +183,10 @@ def secure_sum(
     settings: SecureSettings,
     clip: float,
     round_number: int,
-) -> tuple[list[np.ndarray], list[int]] | None:
+) -> SecureOutcome:
     """Run one SecAgg+ round over the nodes of ``contents`` (node id -> its request), values
-    clipped to ``[-clip, clip]``: the sum of their vectors and the nodes in it, or None when
-    the protocol halted (too few sites left for its threshold; Flower logs the stage)."""
+    clipped to ``[-clip, clip]``: the sum of their vectors, the nodes in it and those that
+    dropped out (no sum when the protocol halted: too few sites left for its threshold)."""
     if len(contents) < 2:
         raise ValueError(f"secure aggregation needs at least 2 sites, got {len(contents)}")
     collector = _Collector(list(contents))
@@ -162,10 +209,9 @@ def secure_sum(
         modulus_range=MODULUS,
         timeout=settings.timeout,
     )
-    workflow(grid, context)
-    if collector.total is None:
-        return None
-    return collector.total, collector.contributors
+    watched = _WatchedGrid(grid)
+    workflow(watched, context)  # type: ignore[arg-type]
+    return SecureOutcome(collector.total, collector.contributors, watched.dropped)
 
 
-__all__ = ["SecureSettings", "check_secure_methods", "secure_sum"]
+__all__ = ["SecureOutcome", "SecureSettings", "check_secure_methods", "secure_sum"]

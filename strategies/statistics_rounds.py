@@ -147,21 +147,21 @@ class FlowerSites:
         self._secure_rounds += 1
         outcome = secure_sum(self.grid, contents, self.secure, units.clip, self._secure_rounds)
         what = ("statistics" if statistics else "regmean") + (" norms" if summed.norms else "")
-        if outcome is None:
+        for node, reason in outcome.dropped.items():
+            self._note(self.nodes.index(node), f"dropped out of the secure {what} round: {reason}")
+        if outcome.total is None:
             raise ValueError(
                 f"secure aggregation of the {what} round halted: fewer sites answered than "
-                f"secure-threshold={self.secure.threshold} needs ({len(asked)} asked)"
+                f"secure-threshold={self.secure.threshold} needs ({len(asked)} asked, "
+                f"{len(outcome.dropped)} dropped out)"
             )
-        arrays, nodes = outcome
+        arrays, nodes = outcome.total, outcome.contributors
         names = sorted(units.scales)
         if len(arrays) != len(names):
             raise ValueError(f"the secure sum has {len(arrays)} terms, the request {len(names)}")
         terms = units.decode({n: torch.from_numpy(a) for n, a in zip(names, arrays, strict=True)})
         error = {n: units.resolution(n, tuple(t.shape), len(nodes)) for n, t in terms.items()}
         contributors = sorted(self.nodes.index(node) for node in nodes)
-        for index in asked:
-            if index not in contributors:
-                self._note(index, f"dropped out of the secure {what} round")
         size = sum(a.size for a in arrays) * 8  # SecAgg+ sends int64 masked values
         seconds = time.monotonic() - started
         self.rounds.append({"level": getattr(request, "level", -1), "seconds": seconds})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from flwr.app import Message, MessageType, RecordDict
 
 
@@ -44,6 +46,8 @@ class SitesGrid:
         self.pushed: list[Message] = []
         self._outstanding: dict[str, Message] = {}
         self.handler = handler
+        #: every reply the server was handed, in order
+        self.received: list[Message] = []
 
     def get_node_ids(self):
         return list(self.sites)
@@ -53,7 +57,10 @@ class SitesGrid:
         return [m.metadata.dst_node_id for m in self.pushed if m.metadata.message_type == "train"]
 
     def push_messages(self, messages):
+        from flwr.app import Error
+
         from fedfuse.clients.client_app import check_contract, statistics_round, train_and_upload
+        from fedfuse.clients.secure import secure_sums_mod
 
         ids = []
         for msg in messages:
@@ -66,9 +73,21 @@ class SitesGrid:
                 handler = statistics_round
             else:
                 handler = self.handler or train_and_upload
-            self._outstanding[mid] = handler(msg, self.contexts[msg.metadata.dst_node_id])
+            context = self.contexts[msg.metadata.dst_node_id]
+            msg.content = copy.deepcopy(msg.content)  # each site gets its own, as over a wire
+            try:  # the ClientApp's mod first, as Flower calls it
+                reply = secure_sums_mod(msg, context, handler)
+            except Exception as error:  # Flower turns an exception into an error reply
+                reply = Message(
+                    Error(code=0, reason=f"{type(error).__name__}: {error}"), reply_to=msg
+                )
+            self._outstanding[mid] = reply
             ids.append(mid)
         return ids
+
+    def send_and_receive(self, messages, *, timeout=None):
+        """Flower's Grid.send_and_receive: push, then pull every reply (SecAgg+ uses it)."""
+        return self.pull_messages(self.push_messages(list(messages)))
 
     def pull_messages(self, message_ids):
         replies = []
@@ -77,4 +96,5 @@ class SitesGrid:
             if reply is not None:
                 reply.metadata.__dict__["_reply_to_message_id"] = mid
                 replies.append(reply)
+                self.received.append(reply)
         return replies

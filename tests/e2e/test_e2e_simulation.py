@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fedfuse.clients.secure import FAULT_VARIABLE
 from fedfuse.data import load_dataset
 from fedfuse.federation.flower_state import superlink_pids
 from fedfuse.io.checkpoint import load_checkpoint
@@ -308,3 +309,30 @@ def test_the_readme_table_is_what_the_main_command_prints(tmp_path):
         assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
         assert got[3:] == want[3:], (got, want)
     assert shown.strip().splitlines()[-1] in completed.stdout  # the privacy pointer
+
+
+def test_secure_kf_sites_and_regmean_complete_when_a_site_drops_out_mid_protocol(
+    tmp_path, monkeypatch
+):
+    """A real `flwr run` of 4 sites with Flower's SecAgg+ on the rounds summed over sites; site
+    2 fails in SecAgg+'s unmask stage of every round, after its masked terms arrived."""
+    monkeypatch.setenv(FAULT_VARIABLE, "2:unmask")
+    completed, out, _ = _simulate(
+        tmp_path,
+        f"{SMALL} strategy='kf-sites,regmean' secure-aggregation=true "
+        "fusion-options='kf-sites.statistics=sums regmean.grams=sums'",
+        num_clients=4,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    report = json.loads((out / "latest" / "results.json").read_text())
+    fusions = report["fusions"]
+    assert fusions["kf-sites"]["status"] == "ok" and fusions["regmean"]["status"] == "ok"
+    # each sum holds all 4 sites: SecAgg+ rebuilt the dropped site's masks from its shares
+    levels = fusions["kf-sites"]["details"]["levels"]
+    assert [level["sites"] for level in levels] == [[0, 1, 2, 3]] * 4
+    assert fusions["regmean"]["details"]["sites"] == [0, 1, 2, 3]
+    dropped = [p for p in report["rejected"] if "dropped out of the secure" in p]
+    assert len(dropped) == 2 * 4 + 2 and all("stage unmask" in p for p in dropped), dropped
+    # nothing per site was stored: the uploads hold no Grams
+    assert all("grams" not in c for c in report["clients"])
+    assert report["accuracy"]["fused"]["kf-sites"]["accuracy"] > 0.3  # chance is 0.1

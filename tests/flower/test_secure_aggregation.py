@@ -1,0 +1,129 @@
+"""Secure aggregation (Flower's SecAgg+) of the rounds summed over sites, with fedfuse's real
+ServerApp, ClientApp handlers and client mod: the server receives and stores sums only, a
+site that drops out mid-protocol is named and the round completes, and the fused models equal
+those of the same sums in the clear.
+
+The sites are the real handlers on real site files, called in-process by a stand-in Grid
+(:class:`tests.fakes.SitesGrid`); Flower's own ``SecAggPlusWorkflow`` drives the four stages
+through it. A real ``flwr run`` with a dropout is in ``tests/e2e/test_e2e_simulation.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from flwr.app import Context, RecordDict
+
+from fedfuse.clients.records import GRAMS_KEY, STATISTICS_KEY
+from fedfuse.clients.secure import FAULT_VARIABLE
+from fedfuse.data import load_dataset, save_npz_dataset
+from fedfuse.federation.scenario import Scenario
+from fedfuse.io.checkpoint import load_checkpoint
+from fedfuse.strategies import server_app
+from tests.fakes import SitesGrid
+from tests.helpers import quick_site_settings
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+METHODS = "kf-sites,regmean"
+SUMS = "kf-sites.statistics=sums regmean.grams=sums"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The server's fusion and test files and four digits sites."""
+    root = tmp_path_factory.mktemp("secure")
+    train = load_dataset("digits", "train")
+    paths = {
+        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
+        "test": save_npz_dataset(
+            root / "test.npz", load_dataset("digits", "test").subset(range(300))
+        ),
+    }
+    scenario = Scenario(quick_site_settings(partitioner="iid"), 4)
+    for pid in range(4):
+        paths[pid] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
+    return paths
+
+
+def _run(files, tmp_path, **changes):
+    settings = quick_site_settings(
+        methods=METHODS,
+        fusion_data=str(files["fusion"]),
+        test_data=str(files["test"]),
+        output_dir=str(tmp_path / "outputs"),
+        node_wait_timeout=1.0,
+        reply_timeout=60.0,
+        **changes,
+    )
+    sites = {
+        100 + i: {"partition-id": i, "site-name": f"hospital-{i}", "data-path": str(files[i])}
+        for i in range(4)
+    }
+    grid = SitesGrid(sites, settings.to_config())
+    server_app.main(grid, Context(7, 0, {}, RecordDict(), settings.to_config()))
+    run = tmp_path / "outputs" / "latest"
+    return grid, json.loads((run / "results.json").read_text()), run
+
+
+def _fused_state(report, method):
+    return load_checkpoint(report["fusions"][method]["checkpoint"]).model.state_dict()
+
+
+def test_a_secure_run_hands_the_server_sums_only_and_fuses_as_in_the_clear(files, tmp_path):
+    grid, report, run = _run(
+        files, tmp_path / "secure", fusion_options=SUMS, secure_aggregation=True
+    )
+    assert report["status"] == "ok", report
+    assert all(report["fusions"][m]["status"] == "ok" for m in ("kf-sites", "regmean"))
+    # what the server received: the uploads (weights and scores, no Grams), then SecAgg+'s
+    # stages, whose replies carry masked integers in a config record and no arrays at all
+    details = report["fusions"]["kf-sites"]["details"]
+    levels = [level for level in details["levels"] if "sites" in level]
+    secure = [r for r in grid.received if "secaggplus_configs" in r.content.config_records]
+    # sites x SecAgg+ stages x 2 sums (norms, terms) per round of kf-sites and regmean's one
+    assert len(secure) == 4 * 4 * 2 * (len(details["rounds"]) + 1)
+    for reply in grid.received:
+        assert STATISTICS_KEY not in reply.content.array_records
+        assert GRAMS_KEY not in reply.content.array_records
+    for reply in secure:
+        assert all(len(record) == 0 for record in reply.content.array_records.values())
+    # what it stored: the uploads without Grams, and no statistics anywhere in the run's files
+    stored = {p.name for p in run.rglob("*") if p.is_file()}
+    assert not any("gram" in name or "statistic" in name for name in stored), stored
+    # every round's sum holds the 4 sites
+    assert [level["sites"] for level in levels] == [[0, 1, 2, 3]] * len(levels)
+
+    _, plain, _ = _run(files, tmp_path / "plain", fusion_options="kf-sites.statistics=sums")
+    for method in ("kf-sites", "regmean"):
+        secure_state, plain_state = _fused_state(report, method), _fused_state(plain, method)
+        for name, value in plain_state.items():
+            difference = float((secure_state[name] - value).abs().max())
+            assert difference <= 1e-4 * float(value.abs().max()) + 1e-7, (method, name)
+        assert report["accuracy"]["fused"][method]["accuracy"] == pytest.approx(
+            plain["accuracy"]["fused"][method]["accuracy"], abs=0.004
+        )
+
+
+def test_a_site_dropping_out_mid_protocol_is_named_and_the_sums_go_on(files, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULT_VARIABLE, "2:unmask")  # after sending its masked terms
+    _, report, _ = _run(files, tmp_path, fusion_options=SUMS, secure_aggregation=True)
+    assert report["fusions"]["kf-sites"]["status"] == "ok", report
+    assert report["fusions"]["regmean"]["status"] == "ok", report
+    # its terms arrived before it dropped, so they count: SecAgg+ rebuilt its masks
+    levels = [lv for lv in report["fusions"]["kf-sites"]["details"]["levels"] if "sites" in lv]
+    assert [level["sites"] for level in levels] == [[0, 1, 2, 3]] * len(levels)
+    dropped = [p for p in report["rejected"] if "dropped out of the secure" in p]
+    assert dropped and all("hospital-2" in p and "stage unmask" in p for p in dropped), dropped
+
+    monkeypatch.setenv(FAULT_VARIABLE, "2:collect_masked_vectors")  # before sending them
+    _, report, _ = _run(files, tmp_path / "early", fusion_options=SUMS, secure_aggregation=True)
+    assert report["fusions"]["kf-sites"]["status"] == "ok", report
+    levels = [lv for lv in report["fusions"]["kf-sites"]["details"]["levels"] if "sites" in lv]
+    assert [level["sites"] for level in levels] == [[0, 1, 3]] * len(levels)
+    assert any("dropped out of the secure" in p for p in report["rejected"]), report["rejected"]
+
+
+def test_a_secure_run_refuses_a_method_that_reads_each_site_before_any_site_trains(files, tmp_path):
+    with pytest.raises(Exception, match="kf-sites-sums"):
+        _run(files, tmp_path, secure_aggregation=True)
