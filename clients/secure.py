@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
-from flwr.app import Context, Message, MessageType
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -31,7 +33,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
 from flwr.compat.common import recorddict_compat as compat
 
 from fedfuse.federation.site import answer_sum_request
-from fedfuse.fusion.site_statistics import StatisticsRequest
+from fedfuse.fusion.summed_terms import SummedRequest
 from fedfuse.runtime import configure_logging
 from fedfuse.settings.run import RunSettings
 
@@ -80,12 +82,22 @@ def _masked_terms(msg: Message, context: Context) -> Message:
     if summed.units is None:
         raise ValueError("a secure summed round must carry its fixed units")
     policy = site_policy(context)
-    kind = "rounds" if isinstance(summed.request, StatisticsRequest) else "grams"
     # step 1 of a sum (its norms) is counted with the terms it prepares
-    policy.check_round(kind, count_round(context, count=not summed.norms))
-    terms = answer_sum_request(
-        settings, summed, model, partition_id, num_partitions, data_path=data_path, policy=policy
-    )
+    policy.check_round("secure-sums", count_round(context, count=not summed.norms))
+    key = summed.key()
+    kept = None if summed.norms else _kept_sources(context, key)
+    if kept is None and not summed.norms and _noised(summed):
+        log.warning(
+            "site %d: the terms of a noised sum without its first step's numbers: noised anew "
+            "(a second release of the same data)",
+            partition_id,
+        )
+    terms, sources = answer_sum_request(
+        settings, summed, model, partition_id, num_partitions, data_path=data_path,
+        policy=policy, sources=kept,
+    )  # fmt: skip
+    if summed.norms:  # the terms step reads the same numbers: computed, and noised, once
+        _keep_sources(context, key, sources)
     arrays = [terms[name].double().numpy() for name in sorted(terms)]
     secagg = context.state.config_records.get(RECORD_KEY_STATE)
     clip = float(secagg.get("clipping_range", 0.0)) if secagg is not None else 0.0
@@ -100,3 +112,32 @@ def _masked_terms(msg: Message, context: Context) -> Message:
         )
     reply = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1, {})
     return Message(compat.fitres_to_recorddict(reply, keep_input=False), reply_to=msg)
+
+
+#: where a site keeps what its norms step computed, for the terms step of the same sum (a
+#: RecordDict's keys are shared by its record types: the key of the sum has its own)
+_SOURCES_RECORD = "fedfuse.secure-sources"
+_SOURCES_KEY_RECORD = "fedfuse.secure-sources-key"
+
+
+def _keep_sources(context: Context, key: str, sources: Mapping[str, torch.Tensor]) -> None:
+    context.state.array_records[_SOURCES_RECORD] = ArrayRecord(
+        {name: tensor.double().cpu() for name, tensor in sources.items()}
+    )
+    context.state.config_records[_SOURCES_KEY_RECORD] = ConfigRecord({"key": key})
+
+
+def _kept_sources(context: Context, key: str) -> dict[str, torch.Tensor] | None:
+    """The numbers kept by the norms step of the same sum (then dropped), or None."""
+    config = context.state.config_records.pop(_SOURCES_KEY_RECORD, None)
+    record = context.state.array_records.pop(_SOURCES_RECORD, None)
+    if config is None or record is None:
+        return None
+    if config.get("key") != key:
+        return None
+    return dict(record.to_torch_state_dict())
+
+
+def _noised(summed: SummedRequest) -> bool:
+    request = summed.request
+    return bool(getattr(request, "privacy", None))

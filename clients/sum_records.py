@@ -15,6 +15,7 @@ import json
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedfuse.fusion.fixed_point import FixedPoint
+from fedfuse.fusion.privacy import GaussianStatistics
 from fedfuse.fusion.regmean import GramTermsRequest
 from fedfuse.fusion.site_statistics import StatisticsRequest
 from fedfuse.fusion.summed_terms import SummedRequest
@@ -32,6 +33,8 @@ from .records import (
 SUM_REQUEST_KEY = "fedfuse.sum-request"
 #: the fixed units' scales (ArrayRecord) of a secure sum
 UNITS_KEY = "fedfuse.sum-units"
+#: RegMean's per-level design scales of its differentially private Grams
+PRIVACY_KEY = "fedfuse.sum-privacy"
 
 
 def pack_sum_request(summed: SummedRequest, model: LeveledModel) -> RecordDict:
@@ -47,6 +50,18 @@ def pack_sum_request(summed: SummedRequest, model: LeveledModel) -> RecordDict:
             "model-spec": json.dumps(model.spec.to_dict()),
             "fit-bias": json.dumps(request.fit_bias),
         }
+        if request.privacy:  # the mechanism, never its noise seed: the site draws its own
+            levels = sorted(request.privacy)
+            config["dp-levels"] = levels
+            config["dp-clips"] = [float(request.privacy[i].clip) for i in levels]
+            config["dp-noise-multiplier"] = float(request.privacy[levels[0]].noise_multiplier)
+            scales = {
+                str(i): request.privacy[i].design_scale.double()
+                for i in levels
+                if request.privacy[i].design_scale is not None
+            }
+            if scales:
+                content.array_records[PRIVACY_KEY] = ArrayRecord(scales)
     config["norms"] = summed.norms
     if summed.units is not None:
         config["units-clip"] = summed.units.clip
@@ -77,7 +92,28 @@ def unpack_sum_request(content: RecordDict) -> tuple[SummedRequest, LeveledModel
         fit_bias = json.loads(str(config["fit-bias"]))
         if not (isinstance(fit_bias, bool) or fit_bias == "auto"):
             raise ValueError(f"fit-bias {fit_bias!r}")
+        privacy = _unpack_privacy(content, config)
     except (KeyError, TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"malformed summed-round request ({error!r})") from None
     model = model_from_state(spec, state, source="the site's model in the request")
-    return SummedRequest(GramTermsRequest(fit_bias), units, norms), model
+    request = GramTermsRequest(fit_bias, privacy or None)
+    return SummedRequest(request, units, norms), model
+
+
+def _unpack_privacy(content: RecordDict, config: ConfigRecord) -> dict[int, GaussianStatistics]:
+    """RegMean's per-level mechanism from a request (empty without one)."""
+    if "dp-levels" not in config:
+        return {}
+    levels = [int(i) for i in config["dp-levels"]]  # type: ignore[union-attr]
+    clips = [float(c) for c in config["dp-clips"]]  # type: ignore[union-attr]
+    noise = float(config["dp-noise-multiplier"])
+    scales = {}
+    if PRIVACY_KEY in content.array_records:
+        scales = unpack_tensors(content.array_records[PRIVACY_KEY])
+    mechanisms = {}
+    for level, clip in zip(levels, clips, strict=True):
+        scale = scales.get(str(level))
+        if scale is not None and (scale.dim() != 1 or not bool((scale > 0).all())):
+            raise ValueError("the design scale must be positive numbers")
+        mechanisms[level] = GaussianStatistics(noise, clip, design_scale=scale)
+    return mechanisms

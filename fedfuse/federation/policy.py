@@ -23,14 +23,16 @@ from typing import Any
 
 from fedfuse.federation.contract import SiteRefusal
 
-#: the statistics a site can send: Gram matrices with its upload (RegMean), and the answers to
-#: statistics rounds (``kf-sites``, ``hf-sites``)
-STATISTICS_KINDS = ("grams", "rounds")
+#: the statistics a site can send: Gram matrices with its upload (RegMean), the answers to
+#: statistics rounds (``kf-sites``, ``hf-sites``), and its share of sums over sites that only
+#: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum)
+STATISTICS_KINDS = ("grams", "rounds", "secure-sums")
 
 #: node-config key -> what it sets (the keys are listed in ``docs/deployment.md``)
 POLICY_KEYS = {
     "allow-methods": "comma list of the fusion methods the site takes part in ('*': any)",
-    "allow-statistics": "comma list of 'grams' and 'rounds' the site sends ('none': neither)",
+    "allow-statistics": "comma list of 'grams', 'rounds' and 'secure-sums' the site sends "
+    "('none': none of them)",
     "max-statistics-rounds": "statistics rounds the site answers in one run",
     "min-statistic-rows": "samples of the site a statistic must sum over, at least",
     "refuse-grams-below-fan-in": "refuse a Gram with fewer rows than its columns (true/false)",
@@ -85,7 +87,8 @@ class SitePolicy:
         unknown = sorted(kinds - set(STATISTICS_KINDS))
         if unknown:
             raise ValueError(
-                f"{where}: allow-statistics names {unknown}; use 'grams', 'rounds' or 'none'"
+                f"{where}: allow-statistics names {unknown}; use 'grams', 'rounds', "
+                "'secure-sums' or 'none'"
             )
         if methods is not None:
             _check_method_names(methods, where)
@@ -171,15 +174,16 @@ class SitePolicy:
             )
 
 
-def requested_statistics(methods: Iterable[Any]) -> set[str]:
-    """Which :data:`STATISTICS_KINDS` the run's fusion ``methods`` ask the sites for."""
+def requested_statistics(methods: Iterable[Any], *, secure: bool = False) -> set[str]:
+    """Which :data:`STATISTICS_KINDS` the run's fusion ``methods`` ask the sites for; with
+    ``secure`` aggregation, whatever they ask of the sites comes as secure sums."""
     kinds: set[str] = set()
     for method in methods:
         needs = method.needs()
         if "grams" in needs:
             kinds.add("grams")
         if "sites" in needs:
-            kinds.add("rounds")
+            kinds.add("secure-sums" if secure else "rounds")
     return kinds
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
-from fedfuse.fusion.summed_terms import SummedRequest, site_sum_terms
+from fedfuse.fusion.summed_terms import SummedRequest, site_sources, terms_from_sources
 from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
@@ -207,7 +208,7 @@ def check_site_policy(
     statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``
     is what the server's train message asks (None: what the run's methods read)."""
     methods = settings.fusion_methods()
-    statistics = requested_statistics(methods)
+    statistics = requested_statistics(methods, secure=settings.secure_aggregation)
     if send_grams is not None:
         statistics = (statistics - {"grams"}) | ({"grams"} if send_grams else set())
     policy.check_run(settings.method_names(), statistics, samples)
@@ -287,33 +288,34 @@ def answer_sum_request(
     *,
     data_path: str | None = None,
     policy: SitePolicy | None = None,
-) -> dict[str, torch.Tensor]:
+    sources: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], Mapping[str, torch.Tensor]]:
     """A site's part of a round summed over sites (:mod:`fedfuse.fusion.summed_terms`): its
-    terms, or their norms, in the round's fixed units when it has them (a secure sum). A
+    terms, or their norms, in the round's fixed units when it has them (a secure sum), and the
+    numbers they were read from (:func:`~fedfuse.fusion.summed_terms.site_sources`; given
+    ``sources`` of the same round's first step, they are read again, not recomputed). A
     statistic that breaks the site's ``policy`` is refused, as in a statistics round."""
-    limit_threads(settings.threads)
-    data = load_site_data(settings, partition_id, num_partitions, data_path)
     request = summed.request
-    if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
-        raise ValueError(
-            f"client {partition_id}: its data has samples of shape "
-            f"{tuple(data.inputs().shape[1:])}, the model takes {tuple(model.spec.input_shape)}"
-        )
-    if isinstance(request, StatisticsRequest):
-        samples = min(len(data), request.max_samples or len(data))
-        what = f"the statistics of level {request.level} piece {request.piece}"
-    else:
-        samples, what = len(data), "RegMean's Grams"
-    if policy is not None:
-        policy.check_statistic(what, samples, rows=samples, columns=0)
-    terms = site_sum_terms(summed, model, data.inputs(), device=settings.device)
-    log.info(
-        "client %d: %s of a summed round (%s)",
-        partition_id,
-        "norms" if summed.norms else "terms",
-        what,
-    )
-    return terms
+    if sources is None:
+        limit_threads(settings.threads)
+        data = load_site_data(settings, partition_id, num_partitions, data_path)
+        if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
+            raise ValueError(
+                f"client {partition_id}: its data has samples of shape "
+                f"{tuple(data.inputs().shape[1:])}, the model takes "
+                f"{tuple(model.spec.input_shape)}"
+            )
+        if isinstance(request, StatisticsRequest):
+            samples = min(len(data), request.max_samples or len(data))
+            what = f"the statistics of level {request.level} piece {request.piece}"
+        else:
+            samples, what = len(data), "RegMean's Grams"
+        if policy is not None:
+            policy.check_statistic(what, samples, rows=samples, columns=0)
+        sources = site_sources(request, model, data.inputs(), device=settings.device)
+    terms = terms_from_sources(summed, model, sources)
+    log.info("client %d: %s of a summed round", partition_id, "norms" if summed.norms else "terms")
+    return terms, sources
 
 
 @dataclass

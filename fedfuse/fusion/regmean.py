@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,6 +64,7 @@ from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.fixed_point import FixedPoint, coarse_norm_scale, norm_bound
+from fedfuse.fusion.privacy import GaussianStatistics, calibrate_noise, spent_epsilon
 from fedfuse.fusion.regmean_grams import (
     GramBlock,
     _mergeable_modules,
@@ -136,22 +137,26 @@ def _system_key(key: tuple[int, int]) -> str:
 class GramTermsRequest:
     """RegMean's request to each site when it fits from sums (``grams="sums"``): the site's
     terms (:meth:`RegMean.site_terms`) or their norms (:meth:`RegMean.site_norms`) under the
-    server's ``fit_bias``."""
+    server's ``fit_bias``, from Grams noised by ``privacy`` (per level; None: exact)."""
 
     fit_bias: bool | str = "auto"
+    privacy: Mapping[int, GaussianStatistics] | None = None
 
-    def site_terms(
-        self,
-        model: LeveledModel,
-        data: torch.Tensor,
-        *,
-        norms: bool = False,
-        device: str | torch.device = "auto",
+    def sources(
+        self, model: LeveledModel, data: torch.Tensor, *, device: str | torch.device = "auto"
     ) -> dict[str, torch.Tensor]:
-        """A site's terms (or their norms) on its own ``data`` with its own ``model``."""
+        """A site's level Grams on its own ``data`` with its own ``model`` (noised by
+        ``privacy``), by level index as a string."""
         on = resolve_device(device)
         own = copy.deepcopy(model).to(on).eval()
-        grams = level_grams(own, data.to(on))
+        grams = level_grams(own, data.to(on), privacy=self.privacy)
+        return {str(level): gram for level, gram in grams.items()}
+
+    def terms(
+        self, model: LeveledModel, sources: Mapping[str, torch.Tensor], *, norms: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The site's terms (or their norms) from its :meth:`sources`."""
+        grams = {int(level): gram for level, gram in sources.items()}
         method = RegMean(fit_bias=self.fit_bias)
         return method.site_norms(model, grams) if norms else method.site_terms(model, grams)
 
@@ -181,6 +186,14 @@ class RegMean(FusionMethod):
             (:attr:`FusionInputs.sites`) for the sums over sites of ``G~_k`` and ``G~_k W_k``
             alone (:meth:`site_terms`), which a secure channel (SecAgg+) hands over without any
             site's own; the merge is the same.
+        dp_epsilon, dp_delta: differentially private Grams (``grams="sums"``, affine levels):
+            each site clips each sample's design rows and noises its Gram of every level
+            (:mod:`fedfuse.fusion.privacy`), the noise calibrated so that all levels spend at
+            most this budget. None: exact; ``inf``: clipping only.
+        dp_clip: bound on a sample's design rows' norm (after the per-column scaling chosen on
+            the fusion set); None: each level's median on the fusion set, which is then needed.
+        dp_noise_seed: seeds the noise with in-process sites (reproducible simulations; a
+            Flower site draws its own).
 
     The system is solved in float64 with :func:`torch.linalg.solve_ex` (LU).
     """
@@ -194,11 +207,27 @@ class RegMean(FusionMethod):
         jitter: float = 1e-9,
         fit_bias: bool | str = "auto",
         grams: str = "per-site",
+        dp_epsilon: float | None = None,
+        dp_delta: float = 1e-5,
+        dp_clip: float | None = None,
+        dp_noise_seed: int | None = None,
     ) -> None:
         check_fit_bias(fit_bias, self.name)
         if grams not in ("per-site", "sums"):
             raise ValueError(f"regmean: grams must be 'per-site' or 'sums', got {grams!r}")
         self.grams = grams
+        if dp_epsilon is not None:
+            if grams != "sums":
+                raise ValueError(
+                    "regmean: dp_epsilon noises the Grams of a summed round; set grams='sums'"
+                )
+            calibrate_noise(float(dp_epsilon), dp_delta, 1)  # ValueError now, naming the value
+            if dp_clip is not None and not dp_clip > 0:
+                raise ValueError(f"regmean: dp_clip must be > 0 or None, got {dp_clip}")
+        self.dp_epsilon = None if dp_epsilon is None else float(dp_epsilon)
+        self.dp_delta = dp_delta
+        self.dp_clip = dp_clip
+        self.dp_noise_seed = dp_noise_seed
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"regmean: alpha must be in [0, 1], got {alpha}")
         if not jitter >= 0:
@@ -208,7 +237,9 @@ class RegMean(FusionMethod):
         self.fit_bias = fit_bias
 
     def requirements(self) -> frozenset[str]:
-        return frozenset({"grams"} if self.grams == "per-site" else {"sites"})
+        if self.grams == "per-site":
+            return frozenset({"grams"})
+        return frozenset({"sites"} | ({"data"} if self.dp_epsilon and not self.dp_clip else set()))
 
     def needs(self) -> frozenset[str]:
         # a secure channel's fixed units come from the fusion set and the sample counts
@@ -225,9 +256,56 @@ class RegMean(FusionMethod):
                     f"level {model.level_name(index)} is neither affine nor holds a Linear or "
                     "Conv2d (groups=1, zero padding) to merge by its input Gram"
                 )
+            if view is None and self.dp_epsilon is not None:
+                raise ValueError(
+                    f"{self.name} with dp_epsilon noises affine levels' Grams only; "
+                    f"{model.spec.arch} level {model.level_name(index)} is not affine"
+                )
             if view is not None:
                 where = f"{self.name}: level {model.level_name(index)}"
                 fit_intercept(view.layer, self.fit_bias, where=where)
+
+    @torch.no_grad()
+    def _mechanisms(
+        self, models: list[LeveledModel], data: torch.Tensor | None, details: dict[str, Any]
+    ) -> dict[int, GaussianStatistics] | None:
+        """Each level's Gaussian mechanism for ``dp_epsilon`` over all levels (one release each,
+        composed by Opacus's RDP accountant): per design column, the scale that gives it a root
+        mean square of 1 on the fusion set (averaged over the models), and the clip, the largest
+        over the models of the median norm of a sample's scaled rows (or ``dp_clip``)."""
+        if self.dp_epsilon is None:
+            return None
+        levels = models[0].neuron_levels
+        noise = calibrate_noise(self.dp_epsilon, self.dp_delta, len(levels))
+        mechanisms, clips = {}, []
+        for index in levels:
+            clip, columns = self.dp_clip, None
+            if data is not None:
+                rows = []
+                for model in models:
+                    inputs = model.forward_levels(data, 0, index)
+                    rows.append(affine_view(model.levels[index]).design(inputs).double())
+                rms = torch.stack([r.pow(2).mean(0) for r in rows]).mean(0).sqrt()
+                columns = torch.where(rms > 1e-12, 1 / rms.clamp_min(1e-12), torch.ones_like(rms))
+                norms = [
+                    float((r * columns).pow(2).reshape(len(data), -1).sum(1).median().sqrt())
+                    for r in rows
+                ]
+                clip = clip or max(norms)
+            assert clip is not None
+            clips.append(clip)
+            mechanisms[index] = GaussianStatistics(
+                noise, clip, self.dp_noise_seed, design_scale=columns
+            )
+        details["privacy"] = {
+            "epsilon": spent_epsilon(noise, self.dp_delta, len(levels)),
+            "delta": self.dp_delta,
+            "noise_multiplier": noise,
+            "rounds": len(levels),
+            "clips": clips,
+            "accountant": "Opacus RDP",
+        }
+        return mechanisms
 
     def _gram(
         self, grams: dict[int, torch.Tensor], client: int, level: int, name: str, size: int
@@ -377,11 +455,11 @@ class RegMean(FusionMethod):
         return FixedPoint(scales)
 
     def _summed_terms(
-        self, models: list[LeveledModel], inputs: FusionInputs
+        self, models: list[LeveledModel], inputs: FusionInputs, details: dict[str, Any]
     ) -> tuple[SiteSums, dict[int, int]]:
         """The sums of :meth:`site_terms` over the sites: two secure rounds on a secure
         channel (norms, then terms), else one."""
-        request = GramTermsRequest(self.fit_bias)
+        request = GramTermsRequest(self.fit_bias, self._mechanisms(models, inputs.data, details))
         if not getattr(inputs.sites, "secure", False):
             sums = sum_over_sites(inputs.sites, SummedRequest(request))
             return sums, dict(sums.upload_bytes)
@@ -402,7 +480,7 @@ class RegMean(FusionMethod):
         totals, rhs = {}, {}
         details: dict[str, Any] = {"alpha": self.alpha}
         if self.grams == "sums":
-            sums, sent = self._summed_terms(models, inputs)
+            sums, sent = self._summed_terms(models, inputs, details)
             models = [models[m] for m in sums.sites]
             for key in systems:
                 name = _system_key(key)
@@ -410,7 +488,9 @@ class RegMean(FusionMethod):
                 rhs[key] = self.alpha * sums.terms[f"{name}/rhs"]
                 rhs[key] += (1 - self.alpha) * sums.terms[f"{name}/diag_rhs"]
             details["sites"] = sums.sites
-            details["upload_bytes"] = {str(m): size for m, size in sent.items()}
+            # one round (two steps when secure) of every level's terms
+            bytes_sent = {str(m): size for m, size in sent.items()}
+            details["rounds"] = [{"level": "all levels", "upload_bytes": bytes_sent}]
         else:
             # Stream over the clients: one client's Grams in memory at a time (they may be
             # memory-mapped files of a thousand sites), the per-system sums accumulated.

@@ -4,12 +4,14 @@ them (:func:`module_grams_layout`). :mod:`fedfuse.fusion.regmean` says what they
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from fedfuse.fusion.privacy import GaussianStatistics, clip_samples, noisy_moments
 from fedfuse.io.grams import gram_factor
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import _patches, affine_view, output_rows
@@ -136,7 +138,12 @@ def _accumulate(module: nn.Module, x: torch.Tensor, bias: bool, gram: torch.Tens
 
 @torch.no_grad()
 def level_grams(
-    model: LeveledModel, data: torch.Tensor, *, batch_size: int = 256, factor: bool = False
+    model: LeveledModel,
+    data: torch.Tensor,
+    *,
+    batch_size: int = 256,
+    factor: bool = False,
+    privacy: Mapping[int, GaussianStatistics] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Client side of RegMean: each neuron level's design Gram ``X^T X`` over ``data``, float64.
 
@@ -155,6 +162,10 @@ def level_grams(
         factor: give an affine level with fewer design rows than columns as its exact factor
             ``R`` (``rows x columns``, ``R^T R = X^T X``; :mod:`fedfuse.io.grams`), which is
             what a site with few samples uploads: a fraction of the matrix's size.
+        privacy: per affine level, the Gaussian mechanism of its Gram
+            (:mod:`fedfuse.fusion.privacy`): each sample's design rows scaled by the
+            mechanism's ``design_scale`` and clipped to its ``clip``, the sum noised and
+            projected, then scaled back (a level that is not affine cannot have one).
 
     Returns:
         ``{neuron level index: Gram}`` on the CPU, as :attr:`FusionInputs.grams` expects.
@@ -165,6 +176,13 @@ def level_grams(
         raise ValueError("level_grams needs at least one sample")
     views = {i: affine_view(model.levels[i]) for i in model.neuron_levels}
     views = {i: v for i, v in views.items() if v is not None}
+    privacy = dict(privacy or {})
+    if set(privacy) - set(views):
+        raise ValueError(
+            f"level_grams: privacy covers affine levels only, not {set(privacy) - set(views)}"
+        )
+    if privacy and factor:
+        raise ValueError("level_grams: a noised Gram is sent in full (factor=False)")
     layout = module_grams_layout(model)
     grams: dict[int, torch.Tensor] = {
         index: torch.zeros(view.fan_in, view.fan_in, dtype=torch.float64)
@@ -185,7 +203,13 @@ def level_grams(
         rows_per_sample = max(1, len(output_rows(y[:1])))
         step = max(1, _ROW_BUDGET // rows_per_sample)
         for chunk in range(0, len(x), step):
-            design = view.design(x[chunk : chunk + step]).double()
+            samples = x[chunk : chunk + step]
+            design = view.design(samples).double()
+            mechanism = privacy.get(index)
+            if mechanism is not None:  # each sample's rows scaled, then within the clip
+                if mechanism.design_scale is not None:
+                    design = design * mechanism.design_scale.to(design)
+                design = clip_samples(design, len(samples), mechanism.clip)
             grams[index] += (design.T @ design).cpu()
             rows = kept[index]
             if rows is not None:
@@ -208,6 +232,12 @@ def level_grams(
     for index, rows in kept.items():
         if rows:
             grams[index] = gram_factor(torch.cat(rows))
+    for index, mechanism in privacy.items():
+        noisy = noisy_moments(grams[index], mechanism, design=len(grams[index]))
+        if mechanism.design_scale is not None:  # back to the design's own units
+            scale = mechanism.design_scale.double()
+            noisy = noisy / (scale[:, None] * scale[None])
+        grams[index] = noisy
     return dict(sorted(grams.items()))
 
 

@@ -63,6 +63,13 @@ class SummedRequest:
     units: FixedPoint | None = None
     norms: bool = False
 
+    def key(self) -> str:
+        """Which sum this round belongs to (both steps of one sum share it)."""
+        request = self.request
+        if isinstance(request, StatisticsRequest):
+            return f"statistics/{request.level}/{request.piece}"
+        return "regmean"
+
     def for_site(self, index: int) -> SummedRequest:
         """The round as site ``index`` receives it (a statistics request: its own reading)."""
         if isinstance(self.request, StatisticsRequest):
@@ -203,6 +210,37 @@ def summed_statistics(
 
 
 # ---------------------------------------------------------------- channels and sites
+def site_sources(
+    request: Any,
+    model: LeveledModel,
+    data: torch.Tensor,
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "auto",
+) -> dict[str, torch.Tensor]:
+    """What a site computes on its own ``data`` for a summed round, before norms or units: a
+    statistics round's terms, or RegMean's level Grams (noised where the request says). Both
+    steps of a secure sum are read from these same numbers (:func:`terms_from_sources`), so
+    that a noised release is made once."""
+    if isinstance(request, StatisticsRequest):
+        statistics = site_statistics(model, data, request, batch_size=batch_size, device=device)
+        return statistics_terms(statistics)
+    return request.sources(model, data, device=device)
+
+
+def terms_from_sources(
+    summed: SummedRequest, model: LeveledModel, sources: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A site's part of a summed round from its :func:`site_sources`: its terms, or their norms
+    (step 1), in the round's units when it has them."""
+    request = summed.request
+    if isinstance(request, StatisticsRequest):
+        terms = statistics_norms(sources) if summed.norms else dict(sources)
+    else:
+        terms = request.terms(model, sources, norms=summed.norms)
+    return summed.units.encode(terms) if summed.units is not None else terms
+
+
 def site_sum_terms(
     summed: SummedRequest,
     model: LeveledModel,
@@ -211,17 +249,9 @@ def site_sum_terms(
     batch_size: int = 256,
     device: str | torch.device = "auto",
 ) -> dict[str, torch.Tensor]:
-    """A site's part of a summed round on its own ``data`` with its own ``model``: its terms, or
-    their norms (step 1), in the round's units when it has them."""
-    request = summed.request
-    if isinstance(request, StatisticsRequest):
-        statistics = site_statistics(model, data, request, batch_size=batch_size, device=device)
-        terms = statistics_terms(statistics)
-        if summed.norms:
-            terms = statistics_norms(terms)
-    else:
-        terms = request.site_terms(model, data, norms=summed.norms, device=device)
-    return summed.units.encode(terms) if summed.units is not None else terms
+    """A site's part of a summed round on its own ``data`` with its own ``model``."""
+    sources = site_sources(summed.request, model, data, batch_size=batch_size, device=device)
+    return terms_from_sources(summed, model, sources)
 
 
 def add_terms(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -264,6 +294,7 @@ __all__ = [
     "SiteSums",
     "SummedRequest",
     "add_terms",
+    "site_sources",
     "site_sum_terms",
     "statistics_from_terms",
     "statistics_norm_units",
@@ -272,4 +303,5 @@ __all__ = [
     "statistics_units",
     "sum_over_sites",
     "summed_statistics",
+    "terms_from_sources",
 ]

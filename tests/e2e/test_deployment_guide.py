@@ -185,5 +185,16 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     assert [s["name"] for s in fused["sites"]] == ["site-0", "site-1"]
     assert fused["data_files"]["fusion-data"]["path"].endswith("server/data/fusion.npz")
     assert "image,class,probability" in completed.stdout
+
+    # the secure run: kf-sites and regmean from sums the server unmasked with SecAgg+
+    secure = json.loads(
+        (base / "server" / "outputs-secure" / "latest" / "results.json").read_text()
+    )
+    assert secure["status"] == "ok", secure
+    assert secure["settings"]["secure_aggregation"] is True
+    for method in ("kf-sites", "regmean"):
+        assert secure["fusions"][method]["status"] == "ok"
+        assert secure["accuracy"]["fused"][method]["accuracy"] > 0.5, secure["accuracy"]
+    assert "secure statistics round: the sum of 2 of 2 sites" in completed.stdout
     predictions = completed.stdout.split("image,class,probability", 1)[1].split()[:5]
     assert all(row.split(",")[1] in fused["class_names"] for row in predictions), predictions

@@ -18,6 +18,7 @@ from flwr.app import Context, RecordDict
 from fedfuse.clients.records import GRAMS_KEY, STATISTICS_KEY
 from fedfuse.clients.secure import FAULT_VARIABLE
 from fedfuse.data import load_dataset, save_npz_dataset
+from fedfuse.federation import site
 from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.strategies import server_app
@@ -46,7 +47,7 @@ def files(tmp_path_factory):
     return paths
 
 
-def _run(files, tmp_path, **changes):
+def _run(files, tmp_path, policies=None, **changes):
     settings = quick_site_settings(
         methods=METHODS,
         fusion_data=str(files["fusion"]),
@@ -57,7 +58,12 @@ def _run(files, tmp_path, **changes):
         **changes,
     )
     sites = {
-        100 + i: {"partition-id": i, "site-name": f"hospital-{i}", "data-path": str(files[i])}
+        100 + i: {
+            "partition-id": i,
+            "site-name": f"hospital-{i}",
+            "data-path": str(files[i]),
+            **(policies or {}).get(i, {}),
+        }
         for i in range(4)
     }
     grid = SitesGrid(sites, settings.to_config())
@@ -70,7 +76,14 @@ def _fused_state(report, method):
     return load_checkpoint(report["fusions"][method]["checkpoint"]).model.state_dict()
 
 
-def test_a_secure_run_hands_the_server_sums_only_and_fuses_as_in_the_clear(files, tmp_path):
+def test_a_secure_run_hands_the_server_sums_only_and_fuses_as_in_the_clear(
+    files, tmp_path, monkeypatch
+):
+    computed = []
+    original = site.site_sources
+    monkeypatch.setattr(
+        site, "site_sources", lambda *a, **k: computed.append(1) or original(*a, **k)
+    )
     grid, report, run = _run(
         files, tmp_path / "secure", fusion_options=SUMS, secure_aggregation=True
     )
@@ -91,6 +104,8 @@ def test_a_secure_run_hands_the_server_sums_only_and_fuses_as_in_the_clear(files
     # what it stored: the uploads without Grams, and no statistics anywhere in the run's files
     stored = {p.name for p in run.rglob("*") if p.is_file()}
     assert not any("gram" in name or "statistic" in name for name in stored), stored
+    # each site computed each sum's numbers once, for its norms and its terms
+    assert len(computed) == 4 * (len(details["rounds"]) + 1)
     # every round's sum holds the 4 sites
     assert [level["sites"] for level in levels] == [[0, 1, 2, 3]] * len(levels)
 
@@ -127,3 +142,34 @@ def test_a_site_dropping_out_mid_protocol_is_named_and_the_sums_go_on(files, tmp
 def test_a_secure_run_refuses_a_method_that_reads_each_site_before_any_site_trains(files, tmp_path):
     with pytest.raises(Exception, match="kf-sites-sums"):
         _run(files, tmp_path, secure_aggregation=True)
+
+
+def test_a_site_that_sends_statistics_only_as_secure_sums_refuses_a_run_in_the_clear(
+    files, tmp_path
+):
+    policy = {3: {"allow-statistics": "secure-sums"}}
+    grid, report, _ = _run(files, tmp_path / "clear", policy, fusion_options=SUMS.split()[0])
+    sites = {site["site"]: site for site in report["sites"]}
+    assert sites["hospital-3"]["status"] == "refused"
+    assert (
+        "need ['grams', 'rounds'], not in allow-statistics=secure-sums"
+        in sites["hospital-3"]["reason"]
+    )
+    assert 103 not in grid.trained()
+
+    _, report, _ = _run(
+        files, tmp_path / "secure", policy, fusion_options=SUMS, secure_aggregation=True
+    )
+    assert report["status"] == "ok", report
+    levels = [lv for lv in report["fusions"]["kf-sites"]["details"]["levels"] if "sites" in lv]
+    assert all(level["sites"] == [0, 1, 2, 3] for level in levels)
+
+
+def test_differentially_private_secure_sums_noise_each_sites_numbers_once(files, tmp_path, caplog):
+    options = f"{SUMS} kf-sites.dp_epsilon=8 regmean.dp_epsilon=8"
+    _, report, _ = _run(files, tmp_path, fusion_options=options, secure_aggregation=True)
+    assert report["status"] == "ok", report
+    for method in ("kf-sites", "regmean"):
+        privacy = report["fusions"][method]["details"]["privacy"]
+        assert privacy["epsilon"] <= 8.0001 and privacy["accountant"] == "Opacus RDP"
+    assert "noised anew" not in caplog.text  # the terms step read the norms step's numbers

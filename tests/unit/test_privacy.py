@@ -139,3 +139,58 @@ def test_private_statistics_refuse_residual_streams_before_any_site_trains():
     with pytest.raises(ValueError, match="adds to a residual stream"):
         make_fusion_method("kf-sites", dp_epsilon=4.0).check_architecture(resnet)
     make_fusion_method("kf-sites").check_architecture(resnet)  # without DP it fuses them
+
+
+def _regmean_sites():
+    spec = mlp_spec((1, 3, 3), 3, (7, 6))
+    models = [build_model(spec, seed=s).eval() for s in range(3)]
+    data = [randn(30 + k, 50, 1, 3, 3) for k in range(3)]
+    return models, data, LocalSites(models, data, device="cpu")
+
+
+def test_private_regmean_without_noise_or_clipping_is_regmean_from_sums():
+    models, _, sites = _regmean_sites()
+    exact = make_fusion_method("regmean", grams="sums").fuse(models, FusionInputs(sites=sites))
+    clip_only = make_fusion_method("regmean", grams="sums", dp_epsilon=math.inf, dp_clip=1e9).fuse(
+        models, FusionInputs(sites=sites)
+    )
+    for name, value in exact.model.state_dict().items():
+        torch.testing.assert_close(clip_only.model.state_dict()[name], value, rtol=1e-5, atol=1e-6)
+    assert clip_only.details["privacy"]["epsilon"] == math.inf
+
+
+def test_private_regmean_spends_its_budget_over_the_levels_with_seeded_noise():
+    models, _, sites = _regmean_sites()
+    inputs = FusionInputs(data=randn(9, 40, 1, 3, 3), sites=sites)
+
+    def fused(seed):
+        method = make_fusion_method("regmean", grams="sums", dp_epsilon=4.0, dp_noise_seed=seed)
+        return method.fuse(models, inputs)
+
+    first, again, other = fused(1), fused(1), fused(2)
+    privacy = first.details["privacy"]
+    assert privacy["rounds"] == 3 and privacy["epsilon"] <= 4.0 * 1.0001
+    assert len(privacy["clips"]) == 3 and all(c > 0 for c in privacy["clips"])
+    weight = "levels.0.1.weight"
+    assert torch.equal(first.model.state_dict()[weight], again.model.state_dict()[weight])
+    assert not torch.equal(first.model.state_dict()[weight], other.model.state_dict()[weight])
+
+
+def test_private_regmean_needs_sums_and_affine_levels_and_its_mechanism_travels_without_seed():
+    from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
+    from fedfuse.fusion.regmean import GramTermsRequest
+    from fedfuse.fusion.summed_terms import SummedRequest
+    from fedfuse.models import resnet_spec
+
+    with pytest.raises(ValueError, match="grams='sums'"):
+        make_fusion_method("regmean", dp_epsilon=4.0)
+    resnet = build_model(resnet_spec((3, 8, 8), 4, depth=10, width_multiplier=0.125))
+    with pytest.raises(ValueError, match="affine levels"):
+        make_fusion_method("regmean", grams="sums", dp_epsilon=4.0).check_architecture(resnet)
+    model = build_model(mlp_spec((1, 3, 3), 3, (7, 6)))
+    mechanism = GaussianStatistics(1.5, 2.0, noise_seed=7, design_scale=torch.rand(10) + 0.5)
+    request = GramTermsRequest("auto", {0: mechanism})
+    summed, _ = unpack_sum_request(pack_sum_request(SummedRequest(request), model))
+    received = summed.request.privacy[0]
+    assert (received.noise_multiplier, received.clip, received.noise_seed) == (1.5, 2.0, None)
+    torch.testing.assert_close(received.design_scale, mechanism.design_scale.double())
