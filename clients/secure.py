@@ -86,6 +86,8 @@ def _masked_terms(msg: Message, context: Context) -> Message:
     policy.check_round("secure-sums", count_round(context, count=not summed.norms))
     key = summed.key()
     kept = None if summed.norms else _kept_sources(context, key)
+    if kept is not None:
+        log.info("site %d: the terms read from the numbers of the norms step", partition_id)
     if kept is None and not summed.norms and _noised(summed):
         log.warning(
             "site %d: the terms of a noised sum without its first step's numbers: noised anew "

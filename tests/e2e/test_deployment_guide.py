@@ -152,6 +152,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     seconds = time.monotonic() - started
     if completed is not None:
         output = f"{completed.stdout[-6000:]}\n{completed.stderr[-6000:]}"
+        (logs / "guide-stdout.txt").write_text(completed.stdout)  # for the guide's examples
 
     def context() -> str:
         tails = [
@@ -191,7 +192,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
         (base / "server" / "outputs-secure" / "latest" / "results.json").read_text()
     )
     assert secure["status"] == "ok", secure
-    assert secure["settings"]["secure_aggregation"] is True
+    assert secure["settings"]["secure-aggregation"] is True
     for method in ("kf-sites", "regmean"):
         assert secure["fusions"][method]["status"] == "ok"
         assert secure["accuracy"]["fused"][method]["accuracy"] > 0.5, secure["accuracy"]

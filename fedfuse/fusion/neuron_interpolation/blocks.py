@@ -117,7 +117,7 @@ def _fit_piece(
     """Fit one piece of the fused ``level`` to its groups' centres (inner neurons with equal
     weights, output neurons by ``weights`` and ``labels``); returns the ridge and the labels."""
     base_targets = [
-        run_chunks(lambda t, b=b: piece.target(b, t), i, parts)
+        run_chunks(lambda t, b=b: piece.target(b, t.to(x.device)), i, parts)
         for b, i in zip(base_levels, base_inputs, strict=True)
     ]
     if piece.inner:
@@ -155,7 +155,11 @@ def _fit_logits(
 
     def targets(c: slice) -> torch.Tensor:
         return torch.cat(
-            [piece.target(b, i[c]) for b, i in zip(base_levels, base_inputs, strict=True)], 1
+            [
+                piece.target(b, i[c].to(x.device))
+                for b, i in zip(base_levels, base_inputs, strict=True)
+            ],
+            1,
         )
 
     fit, gram, _ = fit_rows(lambda c: piece.design(level, x[c]), targets, parts)
@@ -164,7 +168,9 @@ def _fit_logits(
     heads = [b.attention.heads for b in base_levels]
     fused_heads = level.attention.heads
     size = level.attention.q.out_features // fused_heads
-    points = attention_map_points(base_levels, [inp[:HEAD_MATCH_SAMPLES] for inp in base_inputs])
+    points = attention_map_points(
+        base_levels, [inp[:HEAD_MATCH_SAMPLES].to(x.device) for inp in base_inputs]
+    )
     weights, labels = attention_logits(translations, heads, gram, fused_heads, size, group, points)
     piece.load(level, weights, gram)
     return fit.ridge, labels
