@@ -176,7 +176,8 @@ def attention_logits(
         ]
     if points is None:
         points = torch.stack([(half.T @ form @ half).flatten() for form in forms])
-    labels = group(points, torch.ones(len(points), dtype=points.dtype), list(heads), fused_heads)
+    ones = torch.ones(len(points), dtype=points.dtype, device=points.device)
+    labels = group(points, ones, list(heads), fused_heads)
     width = fused_heads * head_size
     weights = gram.new_zeros(len(gram), 2 * width, dtype=torch.float64)
     for c in range(fused_heads):

@@ -36,8 +36,9 @@ READY = re.compile(r'ready when it logs "([^"]+)"')
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
 #: the ports the guide's processes listen on
 GUIDE_PORTS = (8000, 9094, 9095)
-#: seconds the whole guide may take (the run itself takes about a minute)
-GUIDE_TIMEOUT = 900
+#: seconds the whole guide may take (its first run takes about a minute, the secure run about
+#: six: a SuperNode starts its ClientApp anew for each of SecAgg+'s stages)
+GUIDE_TIMEOUT = 1500
 
 
 def guide_blocks(text: str) -> list[str]:

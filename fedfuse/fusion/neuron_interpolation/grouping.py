@@ -75,11 +75,11 @@ def residual_labels(
     input's channels they add to: fused neuron ``j`` is ``F(x)_j + x_j``, so its target should be
     the cluster closest to input channel ``j`` (the residual stream stays aligned)."""
     z = torch.cat([output_rows(o) for o in outputs], 1)
-    labels = group(z.T.contiguous(), weights.to(z.dtype), widths, k)
+    labels = group(z.T.contiguous(), weights.to(z), widths, k)
     stream = output_rows(x)
     if stream.shape != (len(z), k):
         return labels  # a shape change (no identity shortcut after all): nothing to keep
-    targets = cluster_targets(z, labels, weights.to(z.dtype), k)
+    targets = cluster_targets(z, labels, weights.to(z), k)
     cost = torch.cdist(stream.T.double(), targets.T.double()).pow(2)
     order = linear_assignment(cost)  # input channel j takes cluster order[j]
     rename = torch.empty_like(order)
