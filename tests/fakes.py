@@ -98,3 +98,39 @@ class SitesGrid:
                 replies.append(reply)
                 self.received.append(reply)
         return replies
+
+
+def run_hospitals(files, tmp_path, count, policies=None, **changes):
+    """Run fedfuse's real ServerApp over ``count`` in-process sites (:class:`SitesGrid`) named
+    ``hospital-<i>`` on the site files ``files[i]``, with the server's ``files["fusion"]`` and
+    ``files["test"]``; ``policies[i]`` adds site i's policy keys, ``changes`` set run settings.
+    Returns the grid, the run's ``results.json`` and the run folder."""
+    import json
+
+    from flwr.app import Context
+
+    from fedfuse.strategies import server_app
+    from tests.helpers import quick_site_settings
+
+    settings = quick_site_settings(
+        fusion_data=str(files["fusion"]),
+        test_data=str(files["test"]),
+        output_dir=str(tmp_path / "outputs"),
+        node_wait_timeout=1.0,
+        reply_timeout=60.0,
+        **changes,
+    )
+    sites = {
+        100 + i: {
+            "partition-id": i,
+            "site-name": f"hospital-{i}",
+            "data-path": str(files[i]),
+            **(policies or {}).get(i, {}),
+        }
+        for i in range(count)
+    }
+    run_config = settings.to_config()
+    grid = SitesGrid(sites, run_config)
+    server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
+    run = tmp_path / "outputs" / "latest"
+    return grid, json.loads((run / "results.json").read_text()), run

@@ -189,6 +189,22 @@ def fusion_set_mechanism(
     return clip, scale, design_scale.float()
 
 
+def check_dp_options(
+    epsilon: float | None, delta: float, clip: float | None, where: str
+) -> float | None:
+    """Check a method's ``dp_epsilon``, ``dp_delta`` and ``dp_clip`` options when it is built
+    (ValueError naming ``where`` and the value); returns epsilon as a float (None: no DP)."""
+    if epsilon is None:
+        return None
+    try:
+        calibrate_noise(float(epsilon), delta, 1)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    if clip is not None and not clip > 0:
+        raise ValueError(f"{where}: dp_clip must be > 0 or None, got {clip}")
+    return float(epsilon)
+
+
 def _check_budget(epsilon: float, delta: float, rounds: int) -> None:
     if not epsilon > 0:
         raise ValueError(f"epsilon must be > 0 (inf: no noise), got {epsilon}")

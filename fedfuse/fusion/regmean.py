@@ -64,7 +64,12 @@ from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.fixed_point import FixedPoint, coarse_norm_scale, norm_bound
-from fedfuse.fusion.privacy import GaussianStatistics, calibrate_noise, spent_epsilon
+from fedfuse.fusion.privacy import (
+    GaussianStatistics,
+    calibrate_noise,
+    check_dp_options,
+    spent_epsilon,
+)
 from fedfuse.fusion.regmean_grams import (
     GramBlock,
     _mergeable_modules,
@@ -216,15 +221,11 @@ class RegMean(FusionMethod):
         if grams not in ("per-site", "sums"):
             raise ValueError(f"regmean: grams must be 'per-site' or 'sums', got {grams!r}")
         self.grams = grams
-        if dp_epsilon is not None:
-            if grams != "sums":
-                raise ValueError(
-                    "regmean: dp_epsilon noises the Grams of a summed round; set grams='sums'"
-                )
-            calibrate_noise(float(dp_epsilon), dp_delta, 1)  # ValueError now, naming the value
-            if dp_clip is not None and not dp_clip > 0:
-                raise ValueError(f"regmean: dp_clip must be > 0 or None, got {dp_clip}")
-        self.dp_epsilon = None if dp_epsilon is None else float(dp_epsilon)
+        if dp_epsilon is not None and grams != "sums":
+            raise ValueError(
+                "regmean: dp_epsilon noises the Grams of a summed round; set grams='sums'"
+            )
+        self.dp_epsilon = check_dp_options(dp_epsilon, dp_delta, dp_clip, self.name)
         self.dp_delta = dp_delta
         self.dp_clip = dp_clip
         self.dp_noise_seed = dp_noise_seed

@@ -52,6 +52,7 @@ from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
 from fedfuse.fusion.privacy import (
     GaussianStatistics,
     calibrate_noise,
+    check_dp_options,
     fusion_set_mechanism,
     spent_epsilon,
 )
@@ -177,11 +178,7 @@ class SiteInterpolation(FusionMethod):
         self.tol = tol
         self.seed = seed
         self.progress = progress
-        if dp_epsilon is not None:
-            calibrate_noise(float(dp_epsilon), dp_delta, 1)  # ValueError now, naming the value
-            if dp_clip is not None and not dp_clip > 0:
-                raise ValueError(f"dp_clip must be > 0 or None, got {dp_clip}")
-        self.dp_epsilon = None if dp_epsilon is None else float(dp_epsilon)
+        self.dp_epsilon = check_dp_options(dp_epsilon, dp_delta, dp_clip, self.name)
         self.dp_delta = dp_delta
         self.dp_clip = dp_clip
         self.dp_noise_seed = dp_noise_seed

@@ -10,10 +10,7 @@ through it. A real ``flwr run`` with a dropout is in ``tests/e2e/test_e2e_simula
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from flwr.app import Context, RecordDict
 
 from fedfuse.clients.records import GRAMS_KEY, STATISTICS_KEY
 from fedfuse.clients.secure import FAULT_VARIABLE
@@ -21,8 +18,7 @@ from fedfuse.data import load_dataset, save_npz_dataset
 from fedfuse.federation import site
 from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
-from fedfuse.strategies import server_app
-from tests.fakes import SitesGrid
+from tests.fakes import run_hospitals
 from tests.helpers import quick_site_settings
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -48,28 +44,7 @@ def files(tmp_path_factory):
 
 
 def _run(files, tmp_path, policies=None, **changes):
-    settings = quick_site_settings(
-        methods=METHODS,
-        fusion_data=str(files["fusion"]),
-        test_data=str(files["test"]),
-        output_dir=str(tmp_path / "outputs"),
-        node_wait_timeout=1.0,
-        reply_timeout=60.0,
-        **changes,
-    )
-    sites = {
-        100 + i: {
-            "partition-id": i,
-            "site-name": f"hospital-{i}",
-            "data-path": str(files[i]),
-            **(policies or {}).get(i, {}),
-        }
-        for i in range(4)
-    }
-    grid = SitesGrid(sites, settings.to_config())
-    server_app.main(grid, Context(7, 0, {}, RecordDict(), settings.to_config()))
-    run = tmp_path / "outputs" / "latest"
-    return grid, json.loads((run / "results.json").read_text()), run
+    return run_hospitals(files, tmp_path, 4, policies, methods=METHODS, **changes)
 
 
 def _fused_state(report, method):

@@ -7,15 +7,11 @@ The sites are the real handlers on real site files, called in-process by a stand
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from flwr.app import Context, RecordDict
 
 from fedfuse.data import load_dataset, save_npz_dataset
 from fedfuse.federation.scenario import Scenario
-from fedfuse.strategies import server_app
-from tests.fakes import SitesGrid
+from tests.fakes import run_hospitals
 from tests.helpers import quick_site_settings
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -40,28 +36,7 @@ def files(tmp_path_factory):
 
 def _run(files, tmp_path, policies, methods, **changes):
     """Run the real ServerApp over three sites; ``policies[i]`` is site i's policy keys."""
-    settings = quick_site_settings(
-        **changes,
-        methods=methods,
-        fusion_data=str(files["fusion"]),
-        test_data=str(files["test"]),
-        output_dir=str(tmp_path / "outputs"),
-        node_wait_timeout=1.0,
-        reply_timeout=60.0,
-    )
-    sites = {
-        100 + i: {
-            "partition-id": i,
-            "site-name": f"hospital-{i}",
-            "data-path": str(files[i]),
-            **policies.get(i, {}),
-        }
-        for i in range(3)
-    }
-    run_config = settings.to_config()
-    grid = SitesGrid(sites, run_config)
-    server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
-    report = json.loads((tmp_path / "outputs" / "latest" / "results.json").read_text())
+    grid, report, _ = run_hospitals(files, tmp_path, 3, policies, methods=methods, **changes)
     return grid, report, {site["site"]: site for site in report["sites"]}
 
 
