@@ -67,8 +67,9 @@ def check_secure_methods(methods: Sequence[FusionMethod]) -> None:
     for method in methods:
         if "grams" in method.needs():
             raise ValueError(
-                f"secure-aggregation=true: {method.name} uploads each site's Grams; use "
-                "method=regmean-sums (regmean with grams=sums), which needs their sum only"
+                f"secure-aggregation=true: {method.name} reads each site's Grams; use "
+                "method=regmean-sums (regmean with grams=sums) or kf-sites-sums, which need "
+                "sums over the sites only"
             )
         if "sites" in method.needs() and getattr(method, "statistics", "sums") != "sums":
             raise ValueError(

@@ -1,12 +1,13 @@
 """Fusion methods behind one interface (:class:`FusionMethod`), found by name in a registry.
 
 One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
-``neuron_interpolation``, ``site_interpolation``, ``fs_merge``, ``distillation``) over shared
-steps, each in one place (``site_statistics``: what sites compute for statistics rounds):
-``base`` (the interface, options and configs), ``inputs`` (checking and resolving
-:class:`FusionInputs`: scores, model and head weights, levels), ``matching`` (neuron costs and
-the Hungarian assignment), ``kmeans``, ``least_squares``, ``alignment``, ``affine``, ``costs``,
-``repair``; training loops live in :mod:`fedfuse.training.loop`.
+``neuron_interpolation``, ``site_interpolation``, ``gram_interpolation``, ``fs_merge``,
+``distillation``) over shared steps, each in one place (``site_statistics``: what sites
+compute for statistics rounds): ``base`` (the interface, options and configs), ``inputs``
+(checking and resolving :class:`FusionInputs`: scores, model and head weights, levels),
+``matching`` (neuron costs and the Hungarian assignment), ``kmeans``, ``least_squares``,
+``alignment``, ``affine``, ``costs``, ``repair``; training loops live in
+:mod:`fedfuse.training.loop`.
 """
 
 from fedfuse.fusion.averaging import FedAvg, VanillaAveraging, average_state_dicts
@@ -24,6 +25,7 @@ from fedfuse.fusion.distillation import KnowledgeDistillation, LinearProbe
 from fedfuse.fusion.fedma import FedMAMatching
 from fedfuse.fusion.fs_merge import FSMerge
 from fedfuse.fusion.git_rebasin import GitReBasin
+from fedfuse.fusion.gram_interpolation import GramInterpolation, HFGrams, KFGrams
 from fedfuse.fusion.neuron_interpolation import (
     GRADIENT_PRESETS,
     HFGradient,
@@ -45,7 +47,10 @@ from fedfuse.fusion.site_statistics import (
 __all__ = [
     "GRADIENT_PRESETS",
     "HFGradient",
+    "GramInterpolation",
+    "HFGrams",
     "HFSites",
+    "KFGrams",
     "KFSites",
     "LocalSites",
     "SiteInterpolation",

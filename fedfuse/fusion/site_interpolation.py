@@ -251,8 +251,7 @@ class SiteInterpolation(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         levels = self._check_structure(models, target)
-        sites = inputs.sites
-        assert sites is not None  # one per model: checked by check_inputs
+        sites = inputs.sites  # None only where _collect reads no sites
         scores = resolve_scores(
             self.name,
             models,
@@ -297,7 +296,7 @@ class SiteInterpolation(FusionMethod):
                 epsilon=spent_epsilon(self._noise_multiplier, self.dp_delta, rounds),
                 accountant="Opacus RDP",
             )
-        details["problems"] = list(sites.problems)
+        details["problems"] = list(sites.problems) if sites is not None else []
         return fused, details
 
     def _mechanism(
@@ -359,14 +358,7 @@ class SiteInterpolation(FusionMethod):
         level = fused.levels[index]
         name = fused.level_name(index) + (f" {piece.name}" if piece.name != "affine" else "")
         where = f"{self.name}: level {name}"
-        if self.statistics == "sums":
-            counts = self._sample_counts or [len(self._fusion_data)]
-            samples = max(min(c, self.max_samples or c) for c in counts)
-            units = (self._fusion_data, samples)
-            statistics, upload = summed_statistics(sites, request, models, active, units, where)
-        else:
-            statistics = checked_replies(sites.gather(request), request, models, active, where)
-            upload = {m: s.payload_bytes() for m, s in statistics.items()}
+        statistics, upload = self._collect(sites, request, models, active, where, stream)
         collected = time.perf_counter() - started
         dropped = [m for m in active if m not in statistics and m not in upload]
         if dropped:
@@ -426,6 +418,25 @@ class SiteInterpolation(FusionMethod):
             }
         )
         return active
+
+    def _collect(
+        self,
+        sites: SiteChannel,
+        request: StatisticsRequest,
+        models: list[LeveledModel],
+        active: list[int],
+        where: str,
+        inputs_read: dict[int, torch.Tensor],
+    ) -> tuple[dict[int, SiteStatistics], dict[int, int]]:
+        """The round's statistics by site (key -1: the sum over sites) and each site's upload
+        bytes; ``inputs_read``: each site's reading of the fused level's input neurons."""
+        if self.statistics == "sums":
+            counts = self._sample_counts or [len(self._fusion_data)]
+            samples = max(min(c, self.max_samples or c) for c in counts)
+            units = (self._fusion_data, samples)
+            return summed_statistics(sites, request, models, active, units, where)
+        statistics = checked_replies(sites.gather(request), request, models, active, where)
+        return statistics, {m: s.payload_bytes() for m, s in statistics.items()}
 
     def _intercept(self, level: nn.Module, piece: LinearPiece, name: str) -> tuple[bool, bool]:
         """Whether the piece's fit has an intercept (``fit_bias``; a block's pieces always),

@@ -37,6 +37,16 @@ def _template_content(net: nn.Module, num_examples: int) -> RecordDict:
     return RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics})
 
 
+def _replies_with_extras(nets, site_data, messages: list[Message]) -> list[Message]:
+    """Each template site's reply with the extras its train message asks for."""
+    replies = []
+    for net, (x, y), msg in zip(nets, site_data, messages, strict=True):
+        content = _template_content(net, len(y))
+        add_fusion_extras(content, msg, net, DataLoader(TensorDataset(x, y), batch_size=16))
+        replies.append(reply_from(content, msg.metadata.dst_node_id))
+    return replies
+
+
 def _train_messages(strategy: OneShotFusion) -> list[Message]:
     initial = ArrayRecord(TemplateNet().state_dict())
     return list(strategy.configure_train(1, initial, ConfigRecord({"lr": 0.01}), NodesGrid(NODES)))
@@ -76,12 +86,7 @@ def test_client_extras_travel_and_feed_the_methods(tmp_path):
     )
     messages = _train_messages(strategy)
     assert requested_extras(messages[0]) == ["scores", "class-counts", "grams"]
-    replies = []
-    for net, (x, y), msg in zip(nets, site_data, messages, strict=True):
-        content = _template_content(net, len(y))
-        add_fusion_extras(content, msg, net, DataLoader(TensorDataset(x, y), batch_size=16))
-        replies.append(reply_from(content, msg.metadata.dst_node_id))
-    strategy.aggregate_train(1, replies)
+    strategy.aggregate_train(1, _replies_with_extras(nets, site_data, messages))
     assert strategy.problems == [] and strategy.failures == {}
     adapter = ModelAdapter(TemplateNet, (1, 28, 28))
     leveled = [adapter.adapt(net) for net in nets]
@@ -95,6 +100,30 @@ def test_client_extras_travel_and_feed_the_methods(tmp_path):
     for name, tensor in served.state_dict().items():
         assert torch.allclose(tensor, expected[name], atol=1e-5), name
     assert all(entry.scores is not None for entry in strategy.store.entries)
+
+
+def test_one_upload_site_statistics_fuse_a_users_own_net_without_a_fusion_set(tmp_path):
+    """kf-grams over Flower: the sites' Grams and scores come with the one upload, and the
+    server fuses the user's TemplateNet from them alone (no fusion set, no round)."""
+    nets = [_net(0), _net(1)]
+    site_data = [_data(1), _data(2)]
+    strategy = OneShotFusion(
+        "kf-grams", model_fn=TemplateNet, input_shape=(1, 28, 28), client_extras=True
+    )
+    messages = _train_messages(strategy)
+    assert "grams" in requested_extras(messages[0])
+    strategy.aggregate_train(1, _replies_with_extras(nets, site_data, messages))
+    assert strategy.problems == [] and strategy.failures == {}
+    adapter = ModelAdapter(TemplateNet, (1, 28, 28))
+    leveled = [adapter.adapt(net) for net in nets]
+    grams = [level_grams(model, x) for model, (x, _) in zip(leveled, site_data, strict=True)]
+    scores = [entry.scores for entry in strategy.store.entries]
+    direct = make_fusion_method("kf-grams").fuse(leveled, FusionInputs(grams=grams, scores=scores))
+    served = strategy.results["kf-grams"].model
+    assert isinstance(served, TemplateNet)
+    expected = adapter.export(direct.model).state_dict()
+    for name, tensor in served.state_dict().items():
+        assert torch.allclose(tensor, expected[name], atol=1e-5), name
 
 
 def test_a_missing_extra_or_foreign_weights_name_the_node(tmp_path):
