@@ -21,6 +21,7 @@ from fedfuse.fusion.base import (
     parse_options,
     register_fusion_method,
 )
+from fedfuse.fusion.cca_merge import CCAMerge
 from fedfuse.fusion.distillation import KnowledgeDistillation, LinearProbe
 from fedfuse.fusion.fedma import FedMAMatching
 from fedfuse.fusion.fs_merge import FSMerge
@@ -43,8 +44,10 @@ from fedfuse.fusion.site_statistics import (
     StatisticsRequest,
     site_statistics,
 )
+from fedfuse.fusion.zipit import ZipIt
 
 __all__ = [
+    "CCAMerge",
     "GRADIENT_PRESETS",
     "HFGradient",
     "GramInterpolation",
@@ -74,6 +77,7 @@ __all__ = [
     "GitReBasin",
     "OTFusion",
     "VanillaAveraging",
+    "ZipIt",
     "average_state_dicts",
     "make_fusion_method",
     "make_fusion_methods",

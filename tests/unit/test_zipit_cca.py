@@ -1,0 +1,80 @@
+"""ZipIt! and CCA Merge: a permuted copy is undone exactly, CCA's map is the linear mix it
+should be, ``epsilon="auto"`` chooses on the fusion-set loss, ZipIt! is FS-Merge's ZipIt start
+folded untrained, and blocks are refused before any site trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedfuse.fusion import CCAMerge, FSMerge, FusionInputs, ZipIt
+from fedfuse.fusion.cca_merge import EPSILON_GRID, canonical_map
+from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec, vgg11_spec
+from fedfuse.models.symmetry import permute_model, random_permutations
+from tests.helpers import randn
+
+SPECS = {
+    "mlp": mlp_spec((1, 3, 3), 3, (7, 6)),
+    "lenet": lenet5_spec((1, 28, 28), 10),
+    "vgg": vgg11_spec((1, 32, 32), 3, width_multiplier=1 / 8),
+}
+
+
+@pytest.mark.parametrize("method", [ZipIt(), CCAMerge(epsilon=1.0)], ids=["zipit", "cca"])
+@pytest.mark.parametrize("arch", ["mlp", "lenet", "vgg"])
+def test_a_model_fused_with_its_permuted_copies_keeps_its_function(method, arch):
+    spec = SPECS[arch]
+    model = build_model(spec, seed=0).eval()
+    copies = [
+        permute_model(model, random_permutations(model, torch.Generator().manual_seed(s)))
+        for s in (1, 2)
+    ]
+    data = randn(3, 200, *spec.input_shape)  # more rows than any level's neurons
+    labels = torch.arange(200) % spec.num_classes
+    fused = method.fuse([model, *copies], FusionInputs(data=data, labels=labels)).model
+    x = randn(4, 16, *spec.input_shape)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_canonical_map_undoes_an_invertible_linear_mix():
+    reference = randn(5, 4000, 6).double() * torch.tensor([3.0, 2.0, 1.0, 1.0, 0.5, 0.2]).double()
+    mix = randn(6, 6, 6).double() + 3 * torch.eye(6, dtype=torch.float64)
+    other = reference @ torch.linalg.inv(mix) + 1.5  # another basis and another offset
+    transform = canonical_map(reference, other, epsilon=1e-9)
+    torch.testing.assert_close(transform, mix, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_epsilon_takes_the_lowest_fusion_set_loss_and_needs_labels_only_to_choose():
+    spec = SPECS["mlp"]
+    models = [build_model(spec, seed=s).eval() for s in (0, 1)]
+    data, labels = randn(7, 60, *spec.input_shape), torch.arange(60) % 3
+    method = CCAMerge()
+    assert method.needs() == {"data", "labels"} and method.requirements() == {"data"}
+    details = method.fuse(models, FusionInputs(data=data, labels=labels)).details
+    losses = details["fusion_set_losses"]
+    assert list(losses) == [str(e) for e in EPSILON_GRID]
+    assert details["epsilon"] == EPSILON_GRID[min(range(4), key=lambda i: list(losses.values())[i])]
+    assert "fusion_set_losses" not in method.fuse(models, FusionInputs(data=data)).details
+
+
+def test_zipit_is_fs_merges_zipit_start_folded_untrained():
+    spec = SPECS["mlp"]
+    models = [build_model(spec, seed=s).eval() for s in (0, 1, 2)]
+    inputs = FusionInputs(data=randn(8, 50, *spec.input_shape))
+    zipped = ZipIt().fuse(models, inputs).model.state_dict()
+    untrained = FSMerge(init="zipit", epochs=0, rank=0).fuse(models, inputs).model.state_dict()
+    for name, tensor in zipped.items():
+        torch.testing.assert_close(tensor, untrained[name])
+    assert ZipIt.accepted_options() == ["head", "device", "batch_size_capture"]
+
+
+@pytest.mark.parametrize("method", [ZipIt(), CCAMerge()])
+def test_resnets_are_refused_before_any_site_trains(method):
+    with pytest.raises(ValueError, match=f"{method.name}: cannot fuse resnet models"):
+        method.check_run(2, resnet_spec((3, 8, 8), 3, depth=10, width_multiplier=0.25))
+
+
+def test_bad_epsilon_is_named():
+    with pytest.raises(ValueError, match="cca-merge: epsilon must be 'auto' or > 0"):
+        CCAMerge(epsilon=0)
