@@ -9,6 +9,7 @@ import torch
 
 from fedfuse.fusion import CCAMerge, FSMerge, FusionInputs, ZipIt
 from fedfuse.fusion.cca_merge import EPSILON_GRID, canonical_map
+from fedfuse.fusion.fs_merge import zipit_assignment
 from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 from tests.helpers import randn
@@ -78,3 +79,40 @@ def test_resnets_are_refused_before_any_site_trains(method):
 def test_bad_epsilon_is_named():
     with pytest.raises(ValueError, match="cca-merge: epsilon must be 'auto' or > 0"):
         CCAMerge(epsilon=0)
+
+
+def _zipit_by_full_argmax(corr: torch.Tensor, models: int, width: int) -> torch.Tensor:
+    """The greedy zipping written plainly: one argmax over every valid pair per merge."""
+    n = len(corr)
+    link, sizes = corr.double().clone(), [1] * n
+    alive, labels, cap = [True] * n, list(range(n)), models
+    while sum(alive) > width:
+        pairs = [
+            (link[i, j].item(), -i, -j)
+            for i in range(n)
+            for j in range(n)
+            if i != j and alive[i] and alive[j] and sizes[i] + sizes[j] <= cap
+        ]
+        if not pairs:
+            cap += 1
+            continue
+        _, i, j = max(pairs)
+        i, j = -i, -j
+        link[i] = (sizes[i] * link[i] + sizes[j] * link[j]) / (sizes[i] + sizes[j])
+        link[:, i] = link[i]
+        sizes[i] += sizes[j]
+        alive[j] = False
+        labels = [i if label == j else label for label in labels]
+    roots = sorted(set(labels), key=labels.index)
+    return torch.tensor([roots.index(label) for label in labels])
+
+
+@pytest.mark.parametrize("models, width, ties", [(2, 6, False), (3, 5, True), (4, 4, True)])
+def test_the_incremental_zipping_merges_the_pairs_a_full_argmax_would(models, width, ties):
+    x = randn(9, 100, models * width)
+    x[:, width : 2 * width] += 2 * x[:, :width]
+    corr = torch.corrcoef(x.T)
+    if ties:
+        corr = (corr * 4).round() / 4
+    expected = _zipit_by_full_argmax(corr, models, width)
+    torch.testing.assert_close(zipit_assignment(corr, models, width), expected)

@@ -65,16 +65,19 @@ def zipit_assignment(corr: torch.Tensor, models: int, width: int) -> torch.Tenso
         valid.fill_diagonal_(False)
         return torch.where(valid, link, minus_inf)
 
+    # each row's best partner (first on ties), kept up to date instead of a full argmax per merge
     score = scores()
+    best, partner = score.max(1)
     clusters = n
     while clusters > width:
-        flat = int(torch.argmax(score))
-        i, j = divmod(flat, n)
-        if not torch.isfinite(score[i, j]):
+        i = int(torch.argmax(best))  # the first row holding the largest score: flat argmax order
+        j = int(partner[i])
+        if not torch.isfinite(best[i]):
             if cap >= n:
                 raise RuntimeError("ZipIt matching is stuck")  # cannot happen: clusters > 1
             cap += 1
             score = scores()
+            best, partner = score.max(1)
             continue
         si, sj = sizes[i].item(), sizes[j].item()
         link[i] = (si * link[i] + sj * link[j]) / (si + sj)
@@ -89,6 +92,13 @@ def zipit_assignment(corr: torch.Tensor, models: int, width: int) -> torch.Tenso
         row[i] = minus_inf
         score[i] = row
         score[:, i] = row
+        stale = (partner == i) | (partner == j)
+        stale[i] = True
+        if bool(stale.any()):
+            best[stale], partner[stale] = score[stale].max(1)
+        column = score[:, i]
+        better = ~stale & ((column > best) | ((column == best) & (partner > i)))
+        best[better], partner[better] = column[better], i
     roots = torch.unique(labels)
     first_member = torch.stack([torch.nonzero(labels == r)[0, 0] for r in roots])
     order = roots[torch.argsort(first_member)]
