@@ -213,9 +213,10 @@ class GramInterpolation(SiteInterpolation):
             grams = self._grams[m]
             if request.level not in grams:
                 raise ValueError(f"{source} uploaded no Gram for this level")
-            reply = gram_statistics(
-                models[m], grams[request.level], request, inputs_read.get(m), where=source
-            )
+            reading = inputs_read.get(m)
+            if reading is None and request.level != models[m].neuron_levels[0]:
+                raise ValueError(f"{source}: no reading of the fused level's input neurons")
+            reply = gram_statistics(models[m], grams[request.level], request, reading, where=source)
             check_reply(reply, request, models[m], source)
             statistics[m] = reply
         return statistics, {}
