@@ -171,6 +171,13 @@ def _cases() -> list[Case]:
         Case("kf-sites", {"gram_rank": 5, "statistics_dtype": "float64"}, models=3),
         Case("kf-sites", {"ridge": 0.01, "use_scores": False}, models=3, widths=(10, 8)),
         Case("hf-sites", {"max_samples": 40}),
+        Case("kf-grams"),
+        Case("kf-grams", {"ridge": 0.01, "use_scores": False}, models=3, widths=(10, 8)),
+        Case("hf-grams", {}, models=3),
+        Case("zipit"),
+        Case("zipit", {"head": "first"}, models=3),
+        Case("cca-merge"),
+        Case("cca-merge", {"epsilon": 0.1}, models=3),
     ]
     return cases
 
