@@ -41,7 +41,7 @@ from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_meth
 from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.fusion.inputs import fusion_set_loss
 from fedfuse.models import LeveledModel, ModelSpec
-from fedfuse.models.affine import AffineLevel, output_rows
+from fedfuse.models.affine import AffineLevel, channel_blocks, output_rows
 from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ def _carry_inputs(view: AffineLevel, inverse: torch.Tensor) -> None:
         raise ValueError(
             f"{view.layer} has {inputs} inputs, not a multiple of {len(inverse)} channels"
         )
-    eye = torch.eye(per_channel, dtype=torch.float64, device=inverse.device)
-    mix = torch.kron(inverse.contiguous(), eye)
+    mix = channel_blocks(inverse, per_channel)
     weights[:inputs] = mix @ weights[:inputs]
     view.set_weights(weights)
 

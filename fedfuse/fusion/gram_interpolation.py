@@ -60,7 +60,7 @@ from fedfuse.fusion.site_interpolation import SiteInterpolation
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, check_reply
 from fedfuse.io.grams import full_gram, gram_size
 from fedfuse.models import LeveledModel, ModelSpec
-from fedfuse.models.affine import AffineLevel, affine_view
+from fedfuse.models.affine import AffineLevel, affine_view, channel_blocks
 
 #: the site-interpolation options that do not apply without statistics rounds
 ROUND_OPTIONS = (
@@ -110,7 +110,7 @@ def design_map(
             f"{where}: a design of {site_columns} columns over {site_channels} site channels "
             f"does not map onto {fused_columns} columns over {fused_channels} fused ones"
         )
-    core = torch.kron(reading.double().T.contiguous(), torch.eye(per_channel, dtype=torch.float64))
+    core = channel_blocks(reading.T, per_channel)
     mapped = torch.zeros(site_columns, fused_columns, dtype=torch.float64)
     mapped[:site_inputs, :fused_inputs] = core
     if fused_columns > fused_inputs:

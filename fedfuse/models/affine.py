@@ -93,6 +93,14 @@ class AffineLevel:
             yield self.design(inputs[start : start + batch_size])
 
 
+def channel_blocks(mix: torch.Tensor, per_channel: int) -> torch.Tensor:
+    """``mix`` (``channels x channels'``, float64) spread over design columns: a design's
+    columns are channel-major (``per_channel`` positions after a flatten, or patch entries of a
+    convolution, per input channel), so mixing the channels mixes each column block alike."""
+    eye = torch.eye(per_channel, dtype=torch.float64, device=mix.device)
+    return torch.kron(mix.double().contiguous(), eye)
+
+
 def affine_view(level: nn.Module, *, bias: bool = True) -> AffineLevel | None:
     """The :class:`AffineLevel` view of ``level`` (``bias``: with the intercept column and bias
     row), or None if it is not an affine level."""
