@@ -18,6 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.fisher import FISHER_KINDS
 from fedfuse.fusion.privacy import GaussianStatistics
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
 from fedfuse.io.validation import model_from_state
@@ -28,12 +29,16 @@ SCORES_KEY = "scores"
 METRICS_KEY = "metrics"
 SITE_KEY = "site"
 GRAMS_KEY = "grams"
+FISHER_KEY = "fisher"
 CONFIG_KEY = "config"
 #: metrics ``seconds-<phase>``: the wall time of a site's phases
 SECONDS_PREFIX = "seconds-"
 #: train-message config key: whether the site uploads its level Gram matrices (a method of the
 #: run reads them, :func:`fedfuse.federation.uploads.needs_grams`)
 SEND_GRAMS_KEY = "send-grams"
+#: train-message config key: the Fisher kinds the site uploads (a comma list of
+#: :data:`fedfuse.fusion.fisher.FISHER_KINDS`, "" for none; what the run's methods read)
+SEND_FISHER_KEY = "send-fisher"
 #: train-message config key, to a plain ClientApp: the extras it should send (a comma list of
 #: :data:`fedfuse.federation.plain_site.EXTRAS`); reply record of those extras
 EXTRAS_KEY = "fusion-extras"
@@ -56,6 +61,7 @@ def pack_train_request(
     config: ConfigRecord,
     *,
     send_grams: bool,
+    send_fisher: Sequence[str] = (),
     extras: Sequence[str] = (),
     score_method: str = "",
     contract: DataContract | None = None,
@@ -64,6 +70,7 @@ def pack_train_request(
     ``config`` with ``send-grams`` and the data ``contract`` added (and, for a plain ClientApp,
     the ``extras`` to send)."""
     config[SEND_GRAMS_KEY] = bool(send_grams)
+    config[SEND_FISHER_KEY] = ",".join(send_fisher)
     if contract is not None:
         config[CONTRACT_KEY] = json.dumps(contract.to_dict())
     if extras:
@@ -81,6 +88,8 @@ class TrainRequest:
     initial_state: dict[str, torch.Tensor] | None
     send_grams: bool | None
     contract: DataContract | None
+    #: the Fisher kinds to upload (None when the message does not say)
+    send_fisher: tuple[str, ...] | None = None
 
 
 def unpack_train_request(content: RecordDict) -> TrainRequest:
@@ -90,7 +99,16 @@ def unpack_train_request(content: RecordDict) -> TrainRequest:
     config = content.config_records.get(CONFIG_KEY)
     send_grams = config.get(SEND_GRAMS_KEY) if config is not None else None
     contract = unpack_contract(content, what="the train message")
-    return TrainRequest(initial_state, None if send_grams is None else bool(send_grams), contract)
+    fisher = config.get(SEND_FISHER_KEY) if config is not None else None
+    send_fisher = None
+    if fisher is not None:
+        send_fisher = tuple(k for k in str(fisher).split(",") if k)
+        unknown = sorted(set(send_fisher) - set(FISHER_KINDS))
+        if unknown:
+            raise ValueError(f"the train message asks for unknown Fisher kinds {unknown}")
+    return TrainRequest(
+        initial_state, None if send_grams is None else bool(send_grams), contract, send_fisher
+    )
 
 
 def unpack_contract(content: RecordDict, *, what: str) -> DataContract | None:
@@ -164,6 +182,8 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
         content.config_records[SITE_KEY]["class-counts"] = [int(c) for c in upload.class_counts]
     if upload.grams is not None:
         content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in upload.grams.items()})
+    if upload.fisher is not None:
+        content[FISHER_KEY] = ArrayRecord(dict(upload.fisher))
     return content
 
 

@@ -54,6 +54,8 @@ from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
 from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
+from fedfuse.fusion.dense import SyntheticFusionSet
+from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec
 from fedfuse.runtime import configure_logging
@@ -114,9 +116,9 @@ class OneShotFusion(Strategy):
             ClientApps that reply with its weights (module docstring). None: the sites run
             fedfuse's ClientApp.
         fusion_set: the server's fusion set: samples in the model's normalisation (a tensor, an
-            ``(inputs, labels)`` pair or a ``DataLoader``), an ``ImageDataset``, or a function
-            of the sites' ``num-partitions`` (0 in a deployment) that returns one (fedfuse's
-            app). None: the methods need none.
+            ``(inputs, labels)`` pair, a ``DataLoader``), an ``ImageDataset``, a function of the
+            sites' ``num-partitions`` (0 deployed) that returns one, or a ``SyntheticFusionSet``
+            (:mod:`fedfuse.fusion.dense`: made from the uploads). None: the methods need none.
         input_shape: one input's shape, for tracing ``model_fn`` when no fusion set says it.
         client_extras: the plain ClientApp calls :func:`fedfuse.clients.add_fusion_extras`, so
             the methods' scores, class counts and Gram matrices are asked for and required.
@@ -181,9 +183,10 @@ class OneShotFusion(Strategy):
         self.secure = secure
         if not self.methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
-        self.fusion_set = fusion_set if callable(fusion_set) else None
+        synthetic = isinstance(fusion_set, SyntheticFusionSet)
+        self.fusion_set = fusion_set if callable(fusion_set) or synthetic else None
         self._fixed_fusion_set = None
-        if fusion_set is not None and not callable(fusion_set):
+        if fusion_set is not None and self.fusion_set is None:
             self._fixed_fusion_set = (
                 (fusion_set.inputs(), fusion_set.labels)
                 if isinstance(fusion_set, ImageDataset)
@@ -321,6 +324,7 @@ class OneShotFusion(Strategy):
             arrays,
             config,
             send_grams=needs_grams(self.methods),
+            send_fisher=fisher_kinds(self.methods),
             extras=self._extras,
             score_method=self.score_method,
             contract=self.contract,
@@ -544,11 +548,14 @@ class OneShotFusion(Strategy):
                 + "; ".join(self.problems)
             )
         started = time.monotonic()
-        fusion_set = (
-            self.fusion_set(self.num_partitions) if self.fusion_set else self._fixed_fusion_set
-        )
         entries = self.store.entries
         models = self.store.models()
+        if isinstance(self.fusion_set, SyntheticFusionSet):  # generated from the uploads
+            fusion_set = self.fusion_set.generate(models, self.methods)
+        elif self.fusion_set is not None:
+            fusion_set = self.fusion_set(self.num_partitions)
+        else:
+            fusion_set = self._fixed_fusion_set
         sites = (
             self._statistics_channel(models)
             if any("sites" in method.needs() for method in self.methods)

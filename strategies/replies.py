@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, Message
 
 from fedfuse.clients.records import (
     EXTRAS_KEY,
+    FISHER_KEY,
     GRAMS_KEY,
     METRICS_KEY,
     NO_UPLOAD_KEY,
@@ -28,6 +29,7 @@ from fedfuse.clients.records import (
     unpack_tensors,
 )
 from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.fisher import check_fisher
 from fedfuse.io.checkpoint import scores_from_tensors
 from fedfuse.io.validation import (
     ContributionError,
@@ -149,6 +151,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         score_method=str(site.get("score-method", ""))[:64],
         init=str(site.get("init", ""))[:64],
         grams=_grams(content, model, source),
+        fisher=_fisher(content, model, source),
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
         seconds=_seconds(metrics),
         site_name=sender_name(msg),
@@ -233,7 +236,9 @@ def _weights_key(content: Any, source: str) -> str:
     """The record of the model's weights: ``arrays``, else the reply's only other ArrayRecord."""
     if WEIGHTS_KEY in content.array_records:
         return WEIGHTS_KEY
-    others = [key for key in content.array_records if key not in (SCORES_KEY, GRAMS_KEY)]
+    others = [
+        key for key in content.array_records if key not in (SCORES_KEY, GRAMS_KEY, FISHER_KEY)
+    ]
     if len(others) != 1:
         raise ContributionError(
             f"{source}: reply has ArrayRecords {sorted(content.array_records)}; expected the "
@@ -272,6 +277,19 @@ def _grams(content: Any, model: Any, source: str) -> dict[int, Any] | None:
     except ValueError:
         raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
     return validate_grams(model, levels, source=source)
+
+
+def _fisher(content: Any, model: Any, source: str) -> dict[str, Any] | None:
+    """The reply's Fisher information, each entry checked against ``model`` (None when it sent
+    none; which kinds a method needs is checked when it fuses)."""
+    if FISHER_KEY not in content.array_records:
+        return None
+    fisher = _tensors(content, FISHER_KEY, source)
+    try:
+        check_fisher(model, fisher, source=source)
+    except ValueError as error:
+        raise ContributionError(str(error)) from None
+    return fisher
 
 
 def _seconds(record: Any) -> dict[str, float]:

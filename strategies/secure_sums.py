@@ -63,13 +63,18 @@ class SecureSettings:
 
 def check_secure_methods(methods: Sequence[FusionMethod]) -> None:
     """Refuse, before any site trains, a method that would send the server anything per site
-    that secure aggregation is meant to hide (per-site statistics or Grams)."""
+    that secure aggregation is meant to hide (per-site statistics, Grams or Fisher)."""
     for method in methods:
         if "grams" in method.needs():
             raise ValueError(
                 f"secure-aggregation=true: {method.name} reads each site's Grams; use "
                 "method=regmean-sums (regmean with grams=sums) or kf-sites-sums, which need "
                 "sums over the sites only"
+            )
+        if "fisher" in method.needs():
+            raise ValueError(
+                f"secure-aggregation=true: {method.name} reads each site's Fisher information; "
+                "use regmean-sums or kf-sites-sums, which need sums over the sites only"
             )
         if "sites" in method.needs() and getattr(method, "statistics", "sums") != "sums":
             raise ValueError(

@@ -53,6 +53,7 @@ from fedfuse.federation.provenance import DATA_FILE_KEYS, data_files, fused_mode
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod, FusionResult
+from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import ModelSpec, build_model
@@ -85,8 +86,8 @@ def _run_directory(root: Path, label: str, run_id: int) -> Path:
 
 def _available_inputs(settings: RunSettings, scenario: Scenario) -> set[str]:
     """The FusionInputs fields this run can provide (for the check before training)."""
-    available = {"scores", "sample_counts", "class_counts", "grams", "sites"}
-    if settings.fusion_data:
+    available = {"scores", "sample_counts", "class_counts", "grams", "fisher", "sites"}
+    if settings.fusion_data or settings.synthetic_fusion_set:
         available |= {"data", "labels"}
     else:
         try:
@@ -112,6 +113,14 @@ class OneShotRun:
         self.phases: dict[str, float] = {}
         self.scenarios: dict[int, Scenario] = {}
         self.fusion_sets: dict[int, ImageDataset] = {}
+        #: the fusion set made from the uploads (``fusion-source=synthetic``), else None
+        self.synthetic = (
+            SyntheticFusionSet(
+                settings.fusion_samples, seed=settings.seed + 2, device=settings.device
+            )
+            if settings.synthetic_fusion_set
+            else None
+        )
         #: what the run is doing (named by a failure or a stop)
         self.phase = "start"
         self.contract: DataContract | None = None
@@ -210,7 +219,7 @@ class OneShotRun:
             self.report["clients"].append(entry.facts)
 
         def before_training(num_sites: int) -> None:
-            if "data" in available:  # a fusion set that cannot be built fails now, not later
+            if "data" in available and not settings.synthetic_fusion_set:  # fails now, not later
                 self.fusion_set(0 if settings.fusion_data else num_sites)
             elif settings.finetune_epochs and settings.finetune_data == "fusion-set":
                 raise ValueError(
@@ -222,7 +231,7 @@ class OneShotRun:
         strategy = OneShotFusion(
             self.methods,
             store=store,
-            fusion_set=self.fusion_set,
+            fusion_set=self.synthetic or self.fusion_set,
             min_nodes=settings.min_nodes,
             node_wait_timeout=settings.node_wait_timeout,
             available_inputs=available,
@@ -246,6 +255,8 @@ class OneShotRun:
             self.report["sites"] = strategy.sites()
             self.report["fusions"] = self._fusions(strategy)
             self.phases.update(strategy.timings)
+            if self.synthetic is not None and self.synthetic.seconds is not None:
+                self.phases["synthetic_fusion_set"] = self.synthetic.seconds
             self.save()
 
         self.phase = "evaluate"

@@ -100,10 +100,31 @@ class SitesGrid:
         return replies
 
 
-def run_hospitals(files, tmp_path, count, policies=None, **changes):
+def hospital_files(root, count, test_samples=200):
+    """The server's fusion file (60 digits training images), its test file (``test_samples``
+    digits test images) and ``count`` digits sites of an IID split, written under ``root``:
+    the paths by ``"fusion"``, ``"test"`` and site index (what :func:`run_hospitals` reads)."""
+    from fedfuse.data import load_dataset, save_npz_dataset
+    from fedfuse.federation.scenario import Scenario
+    from tests.helpers import quick_site_settings
+
+    train = load_dataset("digits", "train")
+    test = load_dataset("digits", "test").subset(range(test_samples))
+    paths = {
+        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
+        "test": save_npz_dataset(root / "test.npz", test),
+    }
+    scenario = Scenario(quick_site_settings(partitioner="iid"), count)
+    for pid in range(count):
+        paths[pid] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
+    return paths
+
+
+def run_hospitals(files, tmp_path, count, policies=None, handler=None, **changes):
     """Run fedfuse's real ServerApp over ``count`` in-process sites (:class:`SitesGrid`) named
     ``hospital-<i>`` on the site files ``files[i]``, with the server's ``files["fusion"]`` and
-    ``files["test"]``; ``policies[i]`` adds site i's policy keys, ``changes`` set run settings.
+    ``files["test"]``; ``policies[i]`` adds site i's policy keys, ``handler`` replaces the
+    sites' train handler, ``changes`` set run settings.
     Returns the grid, the run's ``results.json`` and the run folder."""
     import json
 
@@ -113,12 +134,14 @@ def run_hospitals(files, tmp_path, count, policies=None, **changes):
     from tests.helpers import quick_site_settings
 
     settings = quick_site_settings(
-        fusion_data=str(files["fusion"]),
-        test_data=str(files["test"]),
-        output_dir=str(tmp_path / "outputs"),
-        node_wait_timeout=1.0,
-        reply_timeout=60.0,
-        **changes,
+        **{
+            "fusion_data": str(files["fusion"]),
+            "test_data": str(files["test"]),
+            "output_dir": str(tmp_path / "outputs"),
+            "node_wait_timeout": 1.0,
+            "reply_timeout": 60.0,
+            **changes,
+        }
     )
     sites = {
         100 + i: {
@@ -130,7 +153,7 @@ def run_hospitals(files, tmp_path, count, policies=None, **changes):
         for i in range(count)
     }
     run_config = settings.to_config()
-    grid = SitesGrid(sites, run_config)
+    grid = SitesGrid(sites, run_config, handler=handler)
     server_app.main(grid, Context(7, 0, {}, RecordDict(), run_config))
     run = tmp_path / "outputs" / "latest"
     return grid, json.loads((run / "results.json").read_text()), run

@@ -23,6 +23,7 @@ SITE_INPUTS = {
     "sample_counts": "sample counts",
     "class_counts": "class counts",
     "grams": "Gram matrices",
+    "fisher": "Fisher information",
     "sites": "statistics rounds",
 }
 SERVER_INPUTS = {"data": "fusion set", "labels": "fusion-set labels"}

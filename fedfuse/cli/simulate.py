@@ -173,7 +173,7 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
         spec = scenario.model_spec()
         # the split and the fusion set the ServerApp builds once Flower is up (a sharded split
         # holds at most one site per class)
-        if settings.fusion_data:
+        if settings.fusion_data or settings.synthetic_fusion_set:
             scenario.partitions  # noqa: B018 - computed for its check
         else:
             scenario.fusion_set()

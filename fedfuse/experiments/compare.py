@@ -49,6 +49,8 @@ from fedfuse.federation.site import finetune_site, train_site
 from fedfuse.federation.site_cache import SiteCache, site_set_key
 from fedfuse.federation.uploads import fusion_inputs, needs_grams
 from fedfuse.fusion import FusionMethod
+from fedfuse.fusion.dense import SyntheticFusionSet
+from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -257,6 +259,7 @@ def _run_library(job: Job, scenario: Scenario) -> Outcome:
     the job fine-tunes, fine-tune the fused model and evaluate that too."""
     settings = job.settings
     send_grams = needs_grams([job.method])  # what the server's train message would say
+    send_fisher = fisher_kinds([job.method])
     threads = torch.get_num_threads()
     initial = (  # the server's common start in shared mode, as strategies/server_app.py sends it
         build_model(scenario.model_spec(), seed=initial_seed(settings)).state_dict()
@@ -271,6 +274,7 @@ def _run_library(job: Job, scenario: Scenario) -> Outcome:
                 job.sites,
                 initial,
                 send_grams=send_grams,
+                send_fisher=send_fisher,
                 cache=job.cache.site(settings, pid, job.sites),
             )
             for pid in tqdm(range(job.sites), desc=f"sites ({job.id})", disable=None)
@@ -312,7 +316,14 @@ def _fuse_library(
 ) -> tuple[Any, dict[str, Any]]:
     """The job's method fused over the sites; the fused model and the row's fusion fields."""
     needs = job.method.needs()
-    fusion_set = scenario.fusion_set() if needs & {"data", "labels"} else None
+    fusion_set, synthetic = None, None
+    if needs & {"data", "labels"} and settings.synthetic_fusion_set:  # made from the models
+        synthetic = SyntheticFusionSet(
+            settings.fusion_samples, seed=settings.seed + 2, device=settings.device
+        )
+        fusion_set = synthetic.generate(models)
+    elif needs & {"data", "labels"}:
+        fusion_set = scenario.fusion_set()
     sites = None
     if "sites" in needs:  # statistics rounds answered in-process
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
@@ -326,6 +337,7 @@ def _fuse_library(
         "fusion_extra_rss_mib": round(peak.extra_mib, 1),
         "fusion_peak_cuda_mib": None if peak.cuda_mib is None else round(peak.cuda_mib, 1),
         "round_upload_bytes": statistics_round_bytes(result.details, job.sites),
+        "synthetic_fusion_set_seconds": None if synthetic is None else synthetic.seconds,
         "details": json_safe(result.details),
     }
 

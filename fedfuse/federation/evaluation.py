@@ -90,7 +90,7 @@ def describe_method(name: str) -> str:
 #: method and the one with statistics rounds that lead the class-sharded settings
 SKEW_ROBUST_METHODS = ("kf-sites", "regmean")
 #: inputs whose sending reveals statistics of a site's data beyond its model (docs/privacy.md)
-DATA_STATISTICS = frozenset({"grams", "sites"})
+DATA_STATISTICS = frozenset({"grams", "fisher", "sites"})
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ class MethodCost:
     """What one fusion method cost each site: its one upload, and its statistics rounds.
 
     ``upload_bytes`` is the mean over sites of the upload parts the method reads (weights, and
-    scores or Grams when it uses them); ``round_bytes`` the largest round's mean over sites.
+    scores, Grams or Fisher information when it uses them); ``round_bytes`` the largest round's
+    mean over sites.
     """
 
     upload_bytes: float
@@ -126,7 +127,7 @@ def method_cost(
     sites' uploads (their facts: ``upload_parts`` per site) and ran the statistics rounds that
     its result ``details`` list (``rounds[i]["upload_bytes"][site]``)."""
     needs = frozenset(needs)
-    parts = ["weights", *(part for part in ("scores", "grams") if part in needs)]
+    parts = ["weights", *(part for part in ("scores", "grams", "fisher") if part in needs)]
     uploads = [sum(int(c.get("upload_parts", {}).get(part, 0)) for part in parts) for c in clients]
     rounds = list((details or {}).get("rounds", []))
     round_means = [
@@ -207,7 +208,8 @@ def format_accuracy_table(
     if revealing:
         lines.append(
             f"{', '.join(revealing)}: the sites also send statistics of their data (Gram "
-            "matrices); what that reveals: docs/privacy.md"
+            "matrices, Fisher information or statistics rounds); what that reveals: "
+            "docs/privacy.md"
         )
     return "\n".join(lines)
 

@@ -230,6 +230,7 @@ class FusionPool:
     missing_sample_counts: list[str] = field(default_factory=list)
     missing_class_counts: list[str] = field(default_factory=list)
     grams: Sequence[dict[int, torch.Tensor]] | None = None
+    fisher: Sequence[dict[str, torch.Tensor]] | None = None
 
 
 def fuse_pool(
@@ -255,6 +256,11 @@ def fuse_pool(
             f"fusion method {method!r} needs every site's Gram matrices, and these models have "
             "none (the sites upload them only when a method of the run needs them)"
         )
+    if "fisher" in needed and pool.fisher is None:
+        raise ValueError(
+            f"fusion method {method!r} needs every site's Fisher information, and these models "
+            "have none (the sites upload it only when a method of the run needs it)"
+        )
     scores = None
     if use_scores:
         lacking = [n for n, s in zip(pool.names, pool.scores, strict=True) if s is None]
@@ -273,7 +279,7 @@ def fuse_pool(
         if field_name in needed and missing:
             key = "num_examples" if field_name == "sample_counts" else "class_counts"
             raise ValueError(f"{method} needs each model's {key!r}; missing in {_names(missing)}")
-    facts = UploadFacts(scores, pool.sample_counts, pool.class_counts, pool.grams)
+    facts = UploadFacts(scores, pool.sample_counts, pool.class_counts, pool.grams, pool.fisher)
     inputs = fusion_inputs(facts, fusion_data)
     target = None
     if target_widths is not None:
@@ -373,6 +379,7 @@ def run_pool(run_dir: str | Path) -> tuple[FusionPool, UploadStore, dict[str, An
         sample_counts=[e.num_examples for e in entries],
         class_counts=[e.class_counts for e in entries],
         grams=store.grams(),
+        fisher=store.fisher(),
     )
     return pool, store, settings
 

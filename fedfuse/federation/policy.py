@@ -24,15 +24,16 @@ from typing import Any
 from fedfuse.federation.contract import SiteRefusal
 
 #: the statistics a site can send: Gram matrices with its upload (RegMean), the answers to
-#: statistics rounds (``kf-sites``, ``hf-sites``), and its share of sums over sites that only
-#: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum)
-STATISTICS_KINDS = ("grams", "rounds", "secure-sums")
+#: statistics rounds (``kf-sites``, ``hf-sites``), its share of sums over sites that only
+#: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum), and
+#: its Fisher information with its upload (Fisher merging, FedFisher)
+STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher")
 
 #: node-config key -> what it sets (the keys are listed in ``docs/deployment.md``)
 POLICY_KEYS = {
     "allow-methods": "comma list of the fusion methods the site takes part in ('*': any)",
-    "allow-statistics": "comma list of 'grams', 'rounds' and 'secure-sums' the site sends "
-    "('none': none of them)",
+    "allow-statistics": "comma list of 'grams', 'rounds', 'secure-sums' and 'fisher' the site "
+    "sends ('none': none of them)",
     "max-statistics-rounds": "statistics rounds the site answers in one run",
     "min-statistic-rows": "samples of the site a statistic must sum over, at least",
     "refuse-grams-below-fan-in": "refuse a Gram with fewer rows than its columns (true/false)",
@@ -88,7 +89,7 @@ class SitePolicy:
         if unknown:
             raise ValueError(
                 f"{where}: allow-statistics names {unknown}; use 'grams', 'rounds', "
-                "'secure-sums' or 'none'"
+                "'secure-sums', 'fisher' or 'none'"
             )
         if methods is not None:
             _check_method_names(methods, where)
@@ -182,6 +183,8 @@ def requested_statistics(methods: Iterable[Any], *, secure: bool = False) -> set
         needs = method.needs()
         if "grams" in needs:
             kinds.add("grams")
+        if "fisher" in needs:
+            kinds.add("fisher")
         if "sites" in needs:
             kinds.add("secure-sums" if secure else "rounds")
     return kinds

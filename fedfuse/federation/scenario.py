@@ -132,6 +132,11 @@ class Scenario:
         s = self.settings
         if s.fusion_data:
             return self._augmented(load_npz_dataset(s.fusion_data))
+        if s.synthetic_fusion_set:
+            raise ValueError(
+                "fusion-source='synthetic': the fusion set is generated from the sites' "
+                "uploaded models (fedfuse.fusion.dense.SyntheticFusionSet), not sampled"
+            )
         source: int | str = "all" if s.fusion_source == "all" else int(s.fusion_source)
         if isinstance(source, int) and source >= self.num_clients:
             raise ValueError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ from fedfuse.federation.policy import SitePolicy, requested_statistics
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
+from fedfuse.fusion.fisher import fisher_kinds, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
 from fedfuse.fusion.summed_terms import SummedRequest, site_sources, terms_from_sources
@@ -75,6 +76,7 @@ def train_site(
     *,
     data_path: str | None = None,
     send_grams: bool | None = None,
+    send_fisher: Sequence[str] | None = None,
     cache: TrainedSiteCache | None = None,
     contract: DataContract | None = None,
     site_name: str = "",
@@ -91,6 +93,8 @@ def train_site(
         send_grams: upload the level Gram matrices (the server's train message says whether a
             method of the run reads them); None: whether one of the run's methods
             (:meth:`~fedfuse.settings.run.RunSettings.fusion_methods`) reads them.
+        send_fisher: the Fisher kinds to upload (``"diagonal"``, ``"kfac"``: what the run's
+            methods read, as the train message says); None: as the run's methods read.
         cache: where the trained site is kept between runs (None: it is not kept); a kept
             model and its scores and Grams are reused instead of computed again.
         contract: the run's data contract: the site's data is checked against it before
@@ -109,6 +113,8 @@ def train_site(
     name = site_name or f"client {partition_id}"
     if send_grams is None:
         send_grams = needs_grams(settings.fusion_methods())
+    if send_fisher is None:
+        send_fisher = fisher_kinds(settings.fusion_methods())
     cached = cache.load() if cache is not None else None
     data: ImageDataset | None = None
 
@@ -123,7 +129,9 @@ def train_site(
         where = f" ({data_path})" if data_path else ""
         contract.check(site_data(), source=f"{name}'s data{where}")
     if policy is not None:
-        check_site_policy(settings, policy, len(site_data()), send_grams=send_grams)
+        check_site_policy(
+            settings, policy, len(site_data()), send_grams=send_grams, send_fisher=send_fisher
+        )
     if cached is not None:
         log.info("%s: trained model loaded from %s", name, cache)
         model, facts = cached.model, cached.facts
@@ -153,6 +161,13 @@ def train_site(
                 policy.check_statistic(
                     f"the Gram of level {level}", int(facts["num_examples"]), rows, gram.shape[1]
                 )
+    fisher = None  # sent only when a method of the run reads it (the size of the model, or more)
+    if send_fisher:
+        fisher = site_fisher(
+            model, site_data().inputs(), send_fisher, seed=seed, device=settings.device
+        )
+        model.cpu()
+        clock.lap("fisher")
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
         entry = TrainedSite(model, facts, dict(cached.scores) if cached else {}, kept)
@@ -171,6 +186,7 @@ def train_site(
         init=settings.init,
         train_loss=float(facts["train_loss"]),
         grams=grams,
+        fisher=fisher,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
         site_name=site_name,
         ray_node=site_ray_node(),
@@ -202,15 +218,23 @@ def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tenso
 
 
 def check_site_policy(
-    settings: RunSettings, policy: SitePolicy, samples: int, *, send_grams: bool | None = None
+    settings: RunSettings,
+    policy: SitePolicy,
+    samples: int,
+    *,
+    send_grams: bool | None = None,
+    send_fisher: Sequence[str] | None = None,
 ) -> None:
     """Refuse (:class:`~fedfuse.federation.contract.SiteRefusal`) a run whose methods or
     statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``
-    is what the server's train message asks (None: what the run's methods read)."""
+    and ``send_fisher`` are what the server's train message asks (None: what the run's methods
+    read)."""
     methods = settings.fusion_methods()
     statistics = requested_statistics(methods, secure=settings.secure_aggregation)
     if send_grams is not None:
         statistics = (statistics - {"grams"}) | ({"grams"} if send_grams else set())
+    if send_fisher is not None:
+        statistics = (statistics - {"fisher"}) | ({"fisher"} if send_fisher else set())
     policy.check_run(settings.method_names(), statistics, samples)
 
 

@@ -57,6 +57,9 @@ class ClientUpload:
     init: str
     train_loss: float
     grams: dict[int, torch.Tensor] | None = None
+    #: the site's Fisher information (:func:`fedfuse.fusion.fisher.site_fisher`), when a
+    #: method of the run reads it
+    fisher: dict[str, torch.Tensor] | None = None
     #: wall time of the site's phases (load, train, score, grams), as the site reported it
     seconds: dict[str, float] = field(default_factory=dict)
     #: the site's name (its SuperNode's ``site-name`` node config; "" when it gave none)
@@ -69,8 +72,8 @@ class ClientUpload:
         return sum(self.payload_parts().values())
 
     def payload_parts(self) -> dict[str, int]:
-        """Bytes of each part of the upload (``weights``, ``scores``, ``grams``), so that a
-        method's cost counts only the parts it reads."""
+        """Bytes of each part of the upload (``weights``, ``scores``, ``grams``, ``fisher``), so
+        that a method's cost counts only the parts it reads."""
 
         def size(tensors: Iterable[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
@@ -79,6 +82,7 @@ class ClientUpload:
             "weights": size(self.model.state_dict().values()),
             "scores": size(self.scores.values()),
             "grams": size((self.grams or {}).values()),
+            "fisher": size((self.fisher or {}).values()),
         }
 
     def facts(self) -> dict[str, Any]:
@@ -143,6 +147,7 @@ class StoredUpload:
     has_grams: bool
     source: str
     facts: dict[str, Any]
+    has_fisher: bool = False
 
 
 class UploadStore:
@@ -191,6 +196,7 @@ class UploadStore:
             upload.model,
             scores=upload.scores or None,
             grams=upload.grams,
+            fisher=upload.fisher,
             metadata={**(metadata or {}), **facts},
         )
         self.expected_spec = self.expected_spec or spec
@@ -204,6 +210,7 @@ class UploadStore:
             has_grams=upload.grams is not None,
             source=source,
             facts=facts,
+            has_fisher=upload.fisher is not None,
         )
         self._entries[pid] = entry
         return entry
@@ -262,7 +269,7 @@ class UploadStore:
                     f"{files[0][1]}'s {store.expected_spec.to_dict()}"
                 )
             store.expected_spec = checkpoint.model.spec
-            with_grams = _has_grams(path)
+            with_grams, with_fisher = _has_prefix(path, "grams."), _has_prefix(path, "fisher.")
             store._entries[pid] = StoredUpload(
                 path=path,
                 partition_id=pid,
@@ -273,6 +280,7 @@ class UploadStore:
                 has_grams=with_grams,
                 source=str(meta.get("source", path)),
                 facts={k: v for k, v in meta.items() if k not in ("settings",)},
+                has_fisher=with_fisher,
             )
         return store
 
@@ -303,17 +311,31 @@ class UploadStore:
 
         return LazySequence(len(paths), load)
 
+    def fisher(self) -> LazySequence[dict[str, torch.Tensor]] | None:
+        """Every site's Fisher information, loaded one site at a time; None unless all sent it."""
+        entries = self.entries
+        if not entries or not all(e.has_fisher for e in entries):
+            return None
+        paths = [e.path for e in entries]
+
+        def load(index: int) -> dict[str, torch.Tensor]:
+            fisher = load_checkpoint(paths[index], with_fisher=True).fisher
+            assert fisher is not None
+            return fisher
+
+        return LazySequence(len(paths), load)
+
     def scores(self) -> list[Scores] | None:
         """Every site's importance scores; None unless all sent them."""
         scores = [e.scores for e in self.entries]
         return None if any(s is None for s in scores) else scores  # type: ignore[return-value]
 
 
-def _has_grams(path: Path) -> bool:
+def _has_prefix(path: Path, prefix: str) -> bool:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        return any(name.startswith("grams.") for name in handle.keys())  # noqa: SIM118
+        return any(name.startswith(prefix) for name in handle.keys())  # noqa: SIM118
 
 
 def needs_grams(methods: Iterable[FusionMethod]) -> bool:
@@ -332,6 +354,7 @@ class UploadFacts:
     sample_counts: Sequence[int] | None
     class_counts: Sequence[Sequence[int]] | None
     grams: Sequence[dict[int, torch.Tensor]] | None = None
+    fisher: Sequence[dict[str, torch.Tensor]] | None = None
 
 
 def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) -> UploadFacts:
@@ -346,12 +369,14 @@ def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) ->
             sample_counts=[e.num_examples for e in entries],
             class_counts=_all_or_none([e.class_counts for e in entries]),
             grams=uploads.grams(),
+            fisher=uploads.fisher(),
         )
     return UploadFacts(
         scores=[u.scores for u in uploads],
         sample_counts=[u.num_examples for u in uploads],
         class_counts=_all_or_none([u.class_counts for u in uploads]),
         grams=[u.grams for u in uploads] if all(u.grams for u in uploads) else None,
+        fisher=[u.fisher for u in uploads] if all(u.fisher for u in uploads) else None,
     )
 
 
@@ -383,6 +408,7 @@ def fusion_inputs(
         "sample_counts": facts.sample_counts,
         "class_counts": facts.class_counts,
         "grams": facts.grams,
+        "fisher": facts.fisher,
         "sites": sites,
     }
     if needs is not None:

@@ -2,7 +2,7 @@
 
 One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
 ``neuron_interpolation``, ``site_interpolation``, ``gram_interpolation``, ``fs_merge``,
-``distillation``) over shared steps, each in one place (``site_statistics``: what sites
+``distillation``, ``fisher``) over shared steps, each in one place (``site_statistics``: what sites
 compute for statistics rounds): ``base`` (the interface, options and configs), ``inputs``
 (checking and resolving :class:`FusionInputs`: scores, model and head weights, levels),
 ``matching`` (neuron costs and the Hungarian assignment), ``kmeans``, ``least_squares``,
@@ -22,8 +22,10 @@ from fedfuse.fusion.base import (
     register_fusion_method,
 )
 from fedfuse.fusion.cca_merge import CCAMerge
+from fedfuse.fusion.dense import Dense
 from fedfuse.fusion.distillation import KnowledgeDistillation, LinearProbe
 from fedfuse.fusion.fedma import FedMAMatching
+from fedfuse.fusion.fisher import FedFisherDiagonal, FedFisherKFAC, FisherMerging
 from fedfuse.fusion.fs_merge import FSMerge
 from fedfuse.fusion.git_rebasin import GitReBasin
 from fedfuse.fusion.gram_interpolation import GramInterpolation, HFGrams, KFGrams
@@ -48,6 +50,10 @@ from fedfuse.fusion.zipit import ZipIt
 
 __all__ = [
     "CCAMerge",
+    "Dense",
+    "FedFisherDiagonal",
+    "FedFisherKFAC",
+    "FisherMerging",
     "GRADIENT_PRESETS",
     "HFGradient",
     "GramInterpolation",

@@ -319,6 +319,7 @@ _INPUT_NEEDS = {
     "sample_counts": "the sites' sample counts",
     "class_counts": "the sites' class counts",
     "grams": "the sites' Gram matrices",
+    "fisher": "the sites' Fisher information",
     "sites": "the sites themselves for statistics rounds (a Flower run, or LocalSites)",
 }
 

@@ -38,6 +38,10 @@ OPTION_BOUNDS: dict[str, tuple[float, float]] = {
     "body": (0, 100_000),
     "seed": (0, 2**32 - 1),
     "dp_noise_seed": (0, 2**63 - 1),
+    "generator_steps": (1, 100_000),
+    "student_steps": (1, 100_000),
+    "memory": (1, 100_000),
+    "latent": (1, 65_536),
 }
 
 

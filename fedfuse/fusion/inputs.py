@@ -48,6 +48,9 @@ class FusionInputs:
             (its inputs with a trailing 1, unfolded for convolutions) summed over the site's own
             data (RegMean needs no fusion set, only these); or its exact factor ``R``
             (``r x d``, ``r < d``, ``R^T R = X^T X``: :mod:`fedfuse.io.grams`).
+        fisher: per model, its Fisher information on the site's own data, by entry:
+            ``diagonal.<parameter>`` and/or the K-FAC factors ``kfac.<layer>.inputs``,
+            ``kfac.<layer>.outputs`` (:func:`fedfuse.fusion.fisher.site_fisher`).
         sites: a :class:`~fedfuse.fusion.site_statistics.SiteChannel` reaching the site of each
             model for statistics rounds (the Flower strategy's, or ``LocalSites`` in-process).
     """
@@ -58,13 +61,14 @@ class FusionInputs:
     sample_counts: Sequence[int] | None = None
     class_counts: Sequence[Sequence[int]] | None = None
     grams: Sequence[dict[int, torch.Tensor]] | None = None
+    fisher: Sequence[dict[str, torch.Tensor]] | None = None
     sites: Any = None
 
 
 #: every field of :class:`FusionInputs`
 INPUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(FusionInputs))
 #: the fields holding one entry per model
-PER_MODEL_FIELDS = ("scores", "sample_counts", "class_counts", "grams")
+PER_MODEL_FIELDS = ("scores", "sample_counts", "class_counts", "grams", "fisher")
 
 
 def check_inputs(

@@ -1,7 +1,8 @@
 """Checkpoints: safetensors weights with fedfuse's JSON metadata in the same file.
 
 The file holds the model's tensors under ``model.<name>``, importance scores under
-``scores.<level>``, optionally a site's level Gram matrices under ``grams.<level>``, and in the
+``scores.<level>``, optionally a site's level Gram matrices under ``grams.<level>`` and its
+Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.fisher`), and in the
 safetensors header a JSON document with the architecture spec and whatever else the writer
 attaches (class counts, sample counts, provenance). Nothing is unpickled; loading checks every
 tensor's shape against the spec before building anything, and the loaded weights stay
@@ -47,6 +48,8 @@ class Checkpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: the site's level Gram matrices, when the file has them and they were asked for
     grams: dict[int, torch.Tensor] | None = None
+    #: the site's Fisher information by entry, when the file has it and it was asked for
+    fisher: dict[str, torch.Tensor] | None = None
 
 
 def save_checkpoint(
@@ -55,9 +58,11 @@ def save_checkpoint(
     *,
     scores: Scores | None = None,
     grams: dict[int, torch.Tensor] | None = None,
+    fisher: dict[str, torch.Tensor] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (and ``scores``, ``grams``, ``metadata``) to ``path`` atomically.
+    """Write ``model`` (and ``scores``, ``grams``, ``fisher``, ``metadata``) to ``path``
+    atomically.
 
     The file is written next to its destination and renamed into place, so an interrupted write
     never leaves a truncated checkpoint where a good one was.
@@ -75,13 +80,19 @@ def save_checkpoint(
         tensors[f"scores.{level}"] = vector.detach().float().cpu().contiguous()
     for level, gram in (grams or {}).items():
         tensors[f"grams.{level}"] = gram.detach().cpu().contiguous()
+    for entry, tensor in (fisher or {}).items():
+        tensors[f"fisher.{entry}"] = tensor.detach().cpu().contiguous()
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={_METADATA_KEY: header})
     return path
 
 
 def load_checkpoint(
-    path: str | Path, *, require_scores: bool = False, with_grams: bool = False
+    path: str | Path,
+    *,
+    require_scores: bool = False,
+    with_grams: bool = False,
+    with_fisher: bool = False,
 ) -> Checkpoint:
     """Read and validate a checkpoint written by :func:`save_checkpoint`.
 
@@ -90,6 +101,8 @@ def load_checkpoint(
         require_scores: raise unless the file holds importance scores.
         with_grams: also load and validate the Gram matrices (``Checkpoint.grams``; None when
             the file has none). Otherwise they are neither read nor checked.
+        with_fisher: also load the Fisher information (``Checkpoint.fisher``; checked finite
+            here, against the model where a method reads it).
 
     Raises:
         CheckpointError: naming the file and the problem (not a safetensors file, missing or
@@ -108,7 +121,12 @@ def load_checkpoint(
             stray = sorted(n for n in names if not n.startswith(_PREFIXES))
             if stray:
                 raise CheckpointError(f"{path}: unexpected tensors {stray}")
-            wanted = [n for n in names if with_grams or not n.startswith("grams.")]
+            wanted = [
+                n
+                for n in names
+                if (with_grams or not n.startswith("grams."))
+                and (with_fisher or not n.startswith("fisher."))
+            ]
             tensors = {name: handle.get_tensor(name) for name in wanted}
     except (SafetensorError, OSError, ValueError) as error:
         if isinstance(error, CheckpointError):
@@ -137,11 +155,15 @@ def load_checkpoint(
             grams = validate_grams(model, grams, source=source)
         except ContributionError as error:
             raise CheckpointError(str(error)) from None
+    fisher = _strip(tensors, "fisher.") or None
+    for entry, tensor in (fisher or {}).items():
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{path}: Fisher entry {entry!r} is not finite floats")
     metadata = {k: v for k, v in document.items() if k not in ("format", "model")}
-    return Checkpoint(model=model, scores=scores, metadata=metadata, grams=grams)
+    return Checkpoint(model=model, scores=scores, metadata=metadata, grams=grams, fisher=fisher)
 
 
-_PREFIXES = ("model.", "scores.", "grams.")
+_PREFIXES = ("model.", "scores.", "grams.", "fisher.")
 
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -168,9 +168,17 @@ class RunSettings:
                 + ", ".join(sorted(PARTITIONERS))
             )
         check_device(self.device)
-        if self.fusion_source != "all" and not self.fusion_source.isdigit():
+        if self.fusion_source not in ("all", "synthetic") and not self.fusion_source.isdigit():
             raise ValueError(
-                f"fusion-source must be a partition id or 'all', got {self.fusion_source!r}"
+                "fusion-source must be a partition id, 'all' or 'synthetic', got "
+                f"{self.fusion_source!r}"
+            )
+        if self.synthetic_fusion_set and self.fusion_data:
+            raise ValueError("fusion-source='synthetic' and a fusion-data file: choose one")
+        if self.synthetic_fusion_set and self.finetune_epochs and self.finetune_data != "sites":
+            raise ValueError(
+                "fusion-source='synthetic' has no real fusion set to fine-tune on; use "
+                "finetune-data='sites'"
             )
         self.class_groups()
         self.architecture_options()
@@ -316,6 +324,12 @@ class RunSettings:
     def method_names(self) -> list[str]:
         """The names of the run's fusion methods (run config ``strategy``), in order."""
         return parse_method_names(self.methods)
+
+    @property
+    def synthetic_fusion_set(self) -> bool:
+        """Whether the server's fusion set is generated from the uploaded models
+        (``fusion-source=synthetic``, :class:`~fedfuse.fusion.dense.SyntheticFusionSet`)."""
+        return self.fusion_source == "synthetic"
 
     def fusion_methods(self) -> list[FusionMethod]:
         """The run's fusion methods, configured with ``fusion-options``; the run's ``device``

@@ -30,6 +30,7 @@ import torch
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.training.loop import TrainConfig, train
@@ -38,7 +39,7 @@ FIXTURE = Path(__file__).with_name("method_regression.json")
 SPEC = make_spec("mlp", (1, 8, 8), 4, widths=(16, 12))
 #: the FusionInputs fields a case may leave out (``drop``); ``sites`` answers statistics rounds
 #: in-process, each model on its own site data
-FIELDS = ("data", "labels", "scores", "sample_counts", "class_counts", "grams", "sites")
+FIELDS = ("data", "labels", "scores", "sample_counts", "class_counts", "grams", "fisher", "sites")
 GRADIENT = {"epochs": 3, "last_epochs": 3}
 
 
@@ -178,6 +179,13 @@ def _cases() -> list[Case]:
         Case("zipit", {"head": "first"}, models=3),
         Case("cca-merge"),
         Case("cca-merge", {"epsilon": 0.1}, models=3),
+        Case("fisher-merging"),
+        Case("fisher-merging", {"weighting": "samples", "damping": 0.01}, models=3),
+        Case("fedfisher-diag", {}, models=3),
+        Case("fedfisher-kfac"),
+        Case("fedfisher-kfac", {"weighting": "uniform", "damping": 0.001}, models=3),
+        Case("dense", {"epochs": 3, "batch_size": 16}),
+        Case("dense", {"epochs": 2, "student_init": "average", "memory": 1}, models=3),
     ]
     return cases
 
@@ -250,6 +258,10 @@ def build_setup() -> Setup:
         sample_counts=[len(x) for x in site_data],
         class_counts=[torch.bincount(y, minlength=4).tolist() for y in site_labels],
         grams=[level_grams(m, x) for m, x in zip(models, site_data, strict=True)],
+        fisher=[
+            site_fisher(m, x, FISHER_KINDS, seed=k)
+            for k, (m, x) in enumerate(zip(models, site_data, strict=True))
+        ],
     )
     return Setup(models, site_data, site_labels, inputs, _randn(2, 16, 1, 8, 8))
 
@@ -261,7 +273,7 @@ def case_inputs(setup: Setup, case: Case) -> FusionInputs:
         value = getattr(setup.inputs, name)
         if name in case.drop:
             value = None
-        elif name in ("scores", "sample_counts", "class_counts", "grams"):
+        elif name in ("scores", "sample_counts", "class_counts", "grams", "fisher"):
             value = list(value[: case.models])
         elif name == "sites":
             count = case.models

@@ -14,12 +14,9 @@ import pytest
 
 from fedfuse.clients.records import GRAMS_KEY, STATISTICS_KEY
 from fedfuse.clients.secure import FAULT_VARIABLE
-from fedfuse.data import load_dataset, save_npz_dataset
 from fedfuse.federation import site
-from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
-from tests.fakes import run_hospitals
-from tests.helpers import quick_site_settings
+from tests.fakes import hospital_files, run_hospitals
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 METHODS = "kf-sites,regmean"
@@ -29,18 +26,7 @@ SUMS = "kf-sites.statistics=sums regmean.grams=sums"
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The server's fusion and test files and four digits sites."""
-    root = tmp_path_factory.mktemp("secure")
-    train = load_dataset("digits", "train")
-    paths = {
-        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
-        "test": save_npz_dataset(
-            root / "test.npz", load_dataset("digits", "test").subset(range(300))
-        ),
-    }
-    scenario = Scenario(quick_site_settings(partitioner="iid"), 4)
-    for pid in range(4):
-        paths[pid] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
-    return paths
+    return hospital_files(tmp_path_factory.mktemp("secure"), 4, test_samples=300)
 
 
 def _run(files, tmp_path, policies=None, **changes):

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedfuse.data import load_dataset, save_npz_dataset
-from fedfuse.federation.scenario import Scenario
-from tests.fakes import run_hospitals
-from tests.helpers import quick_site_settings
+from tests.fakes import hospital_files, run_hospitals
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -20,18 +17,7 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The server's fusion and test files and three digits sites."""
-    root = tmp_path_factory.mktemp("policy")
-    train = load_dataset("digits", "train")
-    paths = {
-        "fusion": save_npz_dataset(root / "fusion.npz", train.subset(range(60))),
-        "test": save_npz_dataset(
-            root / "test.npz", load_dataset("digits", "test").subset(range(200))
-        ),
-    }
-    scenario = Scenario(quick_site_settings(partitioner="iid"), 3)
-    for pid in range(3):
-        paths[pid] = save_npz_dataset(root / f"site-{pid}.npz", scenario.client_data(pid))
-    return paths
+    return hospital_files(tmp_path_factory.mktemp("policy"), 3)
 
 
 def _run(files, tmp_path, policies, methods, **changes):

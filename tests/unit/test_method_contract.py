@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import build_model, mlp_spec
@@ -67,6 +68,9 @@ def full(models):
         sample_counts=[30, 50],
         class_counts=[[10, 15, 5], [20, 0, 30]],
         grams=[level_grams(m, randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
+        fisher=[
+            site_fisher(m, randn(30 + k, 16, 1, 4, 4), FISHER_KINDS) for k, m in enumerate(models)
+        ],
         sites=LocalSites(
             models, [randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
         ),
@@ -86,6 +90,9 @@ def inputs_for(models, seed: int = 5) -> FusionInputs:
         sample_counts=[30 + 20 * k for k in range(len(models))],
         class_counts=[[10 + k, 15 * (k % 2), 5 + 2 * k] for k in range(len(models))],
         grams=[level_grams(m, randn(10 + k, 16, 1, 4, 4)) for k, m in enumerate(models)],
+        fisher=[
+            site_fisher(m, randn(30 + k, 16, 1, 4, 4), FISHER_KINDS) for k, m in enumerate(models)
+        ],
         sites=LocalSites(
             models, [randn(20 + k, 16, 1, 4, 4) for k in range(len(models))], device="cpu"
         ),
@@ -119,6 +126,8 @@ def _assert_inputs_equal(before: FusionInputs, after: FusionInputs) -> None:
     for old, new in zip(before.scores, after.scores, strict=True):
         assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
     for old, new in zip(before.grams, after.grams, strict=True):
+        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    for old, new in zip(before.fisher, after.fisher, strict=True):
         assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
     assert list(before.sample_counts) == list(after.sample_counts)
     assert [list(c) for c in before.class_counts] == [list(c) for c in after.class_counts]

@@ -26,6 +26,19 @@ def test_unknown_keys_and_bad_types_are_named():
     assert RunSettings.from_config({"bogus": 1}, allow_unknown=True).extra == {"bogus": 1}
 
 
+def test_a_synthetic_fusion_set_excludes_a_fusion_file_and_fine_tuning_on_it():
+    assert RunSettings.from_config({"fusion-source": "synthetic"}).synthetic_fusion_set
+    with pytest.raises(ValueError, match="fusion-source='synthetic' and a fusion-data file"):
+        RunSettings.from_config({"fusion-source": "synthetic", "fusion-data": "f.npz"})
+    with pytest.raises(ValueError, match="finetune-data='sites'"):
+        RunSettings.from_config(
+            {"fusion-source": "synthetic", "finetune-epochs": 2, "finetune-data": "fusion-set"}
+        )
+    settings = RunSettings(dataset="digits", fusion_source="synthetic")
+    with pytest.raises(ValueError, match="generated from the sites' uploaded models"):
+        Scenario(settings, 2).fusion_set()
+
+
 def test_scenario_splits_and_fusion_set_are_consistent():
     settings = RunSettings(dataset="digits", partitioner="sharded", fusion_samples=50, seed=3)
     scenario = Scenario(settings, 2)
