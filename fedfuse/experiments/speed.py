@@ -37,6 +37,7 @@ from fedfuse.fusion.base import (
     parse_method_names,
     split_method_options,
 )
+from fedfuse.fusion.fisher import site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import LocalSites
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
@@ -60,7 +61,9 @@ DEFAULT_MODEL_OPTIONS: dict[str, dict[str, Any]] = {
 #: the default ``--methods`` per architecture (``all``: every method that accepts it)
 DEFAULT_METHODS = {"vgg11": "vanilla,hf-linear,kf-linear,kf-gradient", "mlp": "vanilla,hf-linear"}
 #: the :class:`FusionInputs` fields the benchmark builds (Grams only when a method reads them)
-PROVIDED_INPUTS = frozenset({"data", "labels", "sample_counts", "class_counts", "grams", "sites"})
+PROVIDED_INPUTS = frozenset(
+    {"data", "labels", "sample_counts", "class_counts", "grams", "fisher", "sites"}
+)
 NUM_CLASSES = 10
 
 
@@ -231,6 +234,13 @@ def measure(
             grams = _grams(models, inputs.data, torch_device)
             method_inputs = dataclasses.replace(inputs, grams=grams)
             notes.append("Grams on the fusion set, not timed")
+        if "fisher" in method.needs():  # the sites' work, on the fusion set: not timed
+            kinds = getattr(method, "fisher_kinds", ())
+            fisher = [
+                site_fisher(copy.deepcopy(m), inputs.data, kinds, device=device) for m in models
+            ]
+            method_inputs = dataclasses.replace(method_inputs, fisher=fisher)
+            notes.append("Fisher on the fusion set, not timed")
         if "sites" in method.needs():  # the sites' statistics are computed in the timed fusion
             assert inputs.data is not None
             parts = list(inputs.data.tensor_split(count))

@@ -32,7 +32,8 @@ generalised Sylvester equation
 whose operator ``W -> sum_k p_k G_k W A_k`` is symmetric positive definite once each factor
 gets its damping (``damping`` times its mean eigenvalue on the diagonal). fedfuse solves it by
 conjugate gradients on the matrices (each step ``2K`` small matrix products; started from the
-weighted average and run to a relative residual of 1e-8), where the paper runs Adam from FedAvg
+weighted average, preconditioned by ``(sum_k p_k G_k)^{-1} R (sum_k p_k A_k)^{-1}``, the exact
+inverse for one site, and run to a relative residual of 1e-6), where the paper runs Adam from FedAvg
 on the same objective: the same minimiser, without a learning rate or a step count to tune.
 Parameters outside ``Linear``/``Conv2d`` (normalisations, embeddings, tokens) and buffers are
 the weighted average.
@@ -67,12 +68,12 @@ FISHER_KINDS = ("diagonal", "kfac")
 #: samples of its data a site computes its Fisher on (drawn with the site's seed)
 DEFAULT_FISHER_SAMPLES = 2048
 #: the dampings ``damping="auto"`` chooses from, by the merged model's fusion-set loss
-DAMPING_GRID = (1e-4, 1e-3, 1e-2, 1e-1)
+DAMPING_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: the damping ``"auto"`` takes without a labelled fusion set
 UNLABELLED_DAMPING = 1e-2
 DIAGONAL_PREFIX = "diagonal."
 KFAC_PREFIX = "kfac."
-_CG_TOLERANCE = 1e-8
+_CG_TOLERANCE = 1e-6
 _CG_MAX_STEPS = 1000
 
 
@@ -289,30 +290,40 @@ def solve_kfac_layer(
     damping: float,
 ) -> tuple[torch.Tensor, int]:
     """``W`` solving ``sum_k p_k G_k W A_k = sum_k p_k G_k W_k A_k`` (damped factors) by
-    conjugate gradients from the weighted average; float64, with the steps taken."""
+    conjugate gradients from the weighted average, preconditioned by the inverse of the
+    averaged factors' Kronecker product (exact for one site, so a few steps for sites alike);
+    float64, with the steps taken."""
     a = [_damped(x.double(), damping) for x in inputs]
     g = [_damped(x.double(), damping) for x in outputs]
 
     def operator(w: torch.Tensor) -> torch.Tensor:
         return sum(p * (gk @ w @ ak) for p, gk, ak in zip(shares, g, a, strict=True))
 
+    mean_g = torch.linalg.cholesky(sum(p * gk for p, gk in zip(shares, g, strict=True)))
+    mean_a = torch.linalg.cholesky(sum(p * ak for p, ak in zip(shares, a, strict=True)))
+
+    def precondition(r: torch.Tensor) -> torch.Tensor:
+        left = torch.cholesky_solve(r, mean_g)
+        return torch.cholesky_solve(left.T, mean_a).T
+
     target = sum(
         p * (gk @ wk.double() @ ak) for p, gk, wk, ak in zip(shares, g, weights, a, strict=True)
     )
     w = sum(p * wk.double() for p, wk in zip(shares, weights, strict=True))
     residual = target - operator(w)
-    direction = residual.clone()
-    norm = float((residual * residual).sum())
     limit = _CG_TOLERANCE**2 * max(float((target * target).sum()), 1e-300)
+    z = precondition(residual)
+    direction = z.clone()
+    rz = float((residual * z).sum())
     steps = 0
-    while norm > limit and steps < _CG_MAX_STEPS:
+    while float((residual * residual).sum()) > limit and steps < _CG_MAX_STEPS:
         image = operator(direction)
-        step = norm / float((direction * image).sum())
+        step = rz / float((direction * image).sum())
         w = w + step * direction
         residual = residual - step * image
-        new_norm = float((residual * residual).sum())
-        direction = residual + (new_norm / norm) * direction
-        norm = new_norm
+        z = precondition(residual)
+        rz, previous = float((residual * z).sum()), rz
+        direction = z + (rz / previous) * direction
         steps += 1
     return w, steps
 

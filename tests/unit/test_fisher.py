@@ -121,7 +121,7 @@ def test_kfac_solve_matches_the_dense_kronecker_solution():
         for p, a, g, w in zip(shares, inputs, outputs, weights, strict=True)
     )
     dense = torch.linalg.solve(lhs, rhs).reshape(5, 3).T
-    torch.testing.assert_close(solved, dense, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(solved, dense, rtol=1e-5, atol=1e-6)
     assert 0 < steps <= 15
 
 

@@ -73,6 +73,18 @@ def test_the_preset_composes_into_the_issue_setting():
     assert config.sites == 5
 
 
+def test_the_literature_preset_sweeps_alpha_and_sites_over_the_same_recipe():
+    overrides = ["experiment=fmnist-lenet-literature", "sites=10", "partition.alpha_min=0.5"]
+    config = compose([*overrides, "method=fedfisher-kfac"])
+    settings = settings_from_config(config)
+    assert (config.sites, settings.dirichlet_alpha_min, settings.local_epochs) == (10, 0.5, 30)
+    assert (settings.model_options, settings.init, settings.fusion_samples) == (
+        "bias=false",
+        "shared",
+        500,
+    )
+
+
 # ------------------------------------------------------------------------------ ensemble
 class _Fixed(nn.Module):
     def __init__(self, logits: torch.Tensor) -> None:
