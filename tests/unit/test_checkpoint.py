@@ -112,3 +112,19 @@ def test_failed_save_keeps_the_existing_checkpoint(tmp_path, model):
         save_checkpoint(path, broken, scores={0: "not a tensor"})  # type: ignore[dict-item]
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def test_fisher_information_round_trips_only_when_asked_for_and_must_be_finite(tmp_path, model):
+    from fedfuse.fusion.fisher import site_fisher
+
+    fisher = site_fisher(model, torch.randn(16, *model.spec.input_shape), ["diagonal", "kfac"])
+    path = save_checkpoint(tmp_path / "site.safetensors", model, fisher=fisher)
+    assert load_checkpoint(path).fisher is None
+    loaded = load_checkpoint(path, with_fisher=True).fisher
+    assert loaded.keys() == fisher.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in fisher.items())
+    key = next(iter(fisher))
+    fisher[key] = torch.full_like(fisher[key], float("nan"))
+    bad = save_checkpoint(tmp_path / "bad.safetensors", model, fisher=fisher)
+    with pytest.raises(CheckpointError, match=f"bad.safetensors: Fisher entry '{key}'"):
+        load_checkpoint(bad, with_fisher=True)
