@@ -3,8 +3,8 @@
 A ClientApp written for FedAvg (Flower's PyTorch template, for instance) replies with an
 ``ArrayRecord`` of weights and ``num-examples`` in a ``MetricRecord``; fedfuse's
 :class:`~fedfuse.strategies.OneShotFusion` fuses that as it is. Methods that read importance
-scores, class counts or Gram matrices from the sites get them when the ClientApp adds one line
-before it replies::
+scores, class counts, Gram matrices or Fisher information from the sites get them when the
+ClientApp adds one line before it replies::
 
     content = RecordDict({"arrays": model_record, "metrics": metric_record})
     add_fusion_extras(content, msg, model, trainloader)
@@ -25,6 +25,7 @@ from fedfuse.federation.plain_site import EXTRAS, compute_site_extras
 from .records import (
     CONFIG_KEY,
     EXTRAS_KEY,
+    FISHER_KEY,
     GRAMS_KEY,
     SCORE_METHOD_KEY,
     SCORES_KEY,
@@ -74,6 +75,8 @@ def add_fusion_extras(
         facts[SCORE_METHOD_KEY] = extras.score_method
     if extras.grams is not None:
         content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in extras.grams.items()})
+    if extras.fisher is not None:
+        content[FISHER_KEY] = ArrayRecord(dict(extras.fisher))
     if extras.class_counts is not None:
         facts["class-counts"] = extras.class_counts
     for phase, seconds in extras.seconds.items():

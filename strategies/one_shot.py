@@ -52,6 +52,7 @@ from fedfuse.clients.records import pack_train_request
 from fedfuse.data import ImageDataset
 from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.contract import DataContract
+from fedfuse.federation.plain_site import EXTRA_FIELDS, extras_for
 from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
 from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
 from fedfuse.fusion.dense import SyntheticFusionSet
@@ -90,10 +91,6 @@ class MethodFailure:
 
     error: str
     seconds: float
-
-
-#: which :class:`FusionInputs` field each extra of a plain ClientApp provides
-_EXTRA_FIELDS = {"scores": "scores", "class-counts": "class_counts", "grams": "grams"}
 
 
 def as_methods(methods: str | FusionMethod | Sequence[str | FusionMethod]) -> list[FusionMethod]:
@@ -245,17 +242,16 @@ class OneShotFusion(Strategy):
                 )
             input_shape = tuple(self._fixed_fusion_set[0].shape[1:])
         self.adapter = ModelAdapter(model_fn, tuple(input_shape)).register()
-        needed = set().union(*(method.needs() for method in self.methods))
         if self.client_extras:
-            self._extras = [name for name, f in _EXTRA_FIELDS.items() if f in needed]
+            self._extras = extras_for(self.methods)
         if available is None:
-            available = {"sample_counts", *(_EXTRA_FIELDS[name] for name in self._extras)}
+            available = {"sample_counts", *(EXTRA_FIELDS[name] for name in self._extras)}
             if self._fixed_fusion_set is not None or self.fusion_set is not None:
                 available |= {"data", "labels"}
         self.available_inputs = set(available)
         hint = (
             f". A plain ClientApp sends its weights and num-examples; for importance scores, "
-            f"class counts and Gram matrices {EXTRAS_HINT} and pass client_extras=True; "
+            f"class counts, Gram matrices and Fisher {EXTRAS_HINT} and pass client_extras=True; "
             "statistics rounds (kf-sites, hf-sites) need fedfuse's own ClientApp"
         )
         check_methods(self.methods, min_nodes, self.adapter.spec, self.available_inputs, hint=hint)

@@ -199,10 +199,14 @@ def decode_plain_reply(
     extras = content.config_records.get(EXTRAS_KEY) or ConfigRecord()
     scores = _scores(content, model, source)
     grams = _grams(content, model, source)
+    fisher = _fisher(content, model, source)
+    sent = set(fisher or ())
     for name, present in (
         ("scores", scores is not None),
         ("class-counts", "class-counts" in extras),
         ("grams", grams is not None),
+        ("fisher-diagonal", any(k.startswith("diagonal.") for k in sent)),
+        ("fisher-kfac", any(k.startswith("kfac.") for k in sent)),
     ):
         if name in wanted and not present:
             raise ContributionError(
@@ -227,6 +231,7 @@ def decode_plain_reply(
         score_method=str(extras.get(SCORE_METHOD_KEY, ""))[:64],
         init="",
         grams=grams,
+        fisher=fisher,
         train_loss=float(loss) if isinstance(loss, int | float) else float("nan"),
         seconds=_seconds(extras),
     )

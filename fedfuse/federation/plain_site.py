@@ -4,7 +4,8 @@ A Flower app's ClientApp replies with its model's weights and ``num-examples``; 
 FedAvg, OTFusion, Git Re-Basin, KF/HF Linear and the other fusion-set methods need. Some methods
 read more from the sites (``fedfuse methods`` lists which): importance scores of every neuron
 (neuron interpolation weighs neurons by them; it scores on the fusion set without them), the
-site's class counts (head weighting), and the Gram matrices of each level's inputs (RegMean).
+site's class counts (head weighting), the Gram matrices of each level's inputs (RegMean) and
+the Fisher information (Fisher merging, FedFisher).
 :func:`compute_site_extras` computes whichever of these the server asked for, on the site's own
 data in the app's own normalisation, from the user's own ``nn.Module``
 (:class:`~fedfuse.models.ModelAdapter` gives it fedfuse's levels).
@@ -12,6 +13,7 @@ data in the app's own normalisation, from the user's own ``nn.Module``
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterable
@@ -21,14 +23,37 @@ import torch
 from torch import nn
 
 from fedfuse.data.tensors import SampleSource, collect_samples
+from fedfuse.fusion import FusionMethod
+from fedfuse.fusion.fisher import FISHER_KINDS, fisher_kinds, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.models import ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
 
 log = logging.getLogger(__name__)
 
-#: the extras a server may ask a plain ClientApp for, as the train message names them
-EXTRAS = ("scores", "class-counts", "grams")
+#: the extras a server may ask a plain ClientApp for, as the train message names them, and
+#: the :class:`~fedfuse.fusion.FusionInputs` field each provides
+EXTRA_FIELDS = {
+    "scores": "scores",
+    "class-counts": "class_counts",
+    "grams": "grams",
+    "fisher-diagonal": "fisher",
+    "fisher-kfac": "fisher",
+}
+EXTRAS = tuple(EXTRA_FIELDS)
+
+
+def extras_for(methods: Iterable[FusionMethod]) -> list[str]:
+    """The extras a plain ClientApp must send for ``methods`` (what they read; Fisher only of
+    the kinds they read)."""
+    methods = list(methods)
+    needed = set().union(*(method.needs() for method in methods))
+    fisher = {f"fisher-{kind}" for kind in fisher_kinds(methods)}
+    return [
+        name
+        for name, field in EXTRA_FIELDS.items()
+        if field in needed and (field != "fisher" or name in fisher)
+    ]
 
 
 @dataclass
@@ -38,6 +63,7 @@ class SiteExtras:
     scores: Scores | None = None
     class_counts: list[int] | None = None
     grams: dict[int, torch.Tensor] | None = None
+    fisher: dict[str, torch.Tensor] | None = None
     score_method: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -69,7 +95,8 @@ def compute_site_extras(
     if not wanted:
         return extras
     started = time.monotonic()
-    limit = None if "grams" in wanted else score_samples
+    kinds = [kind for kind in FISHER_KINDS if f"fisher-{kind}" in wanted]
+    limit = None if "grams" in wanted or kinds else score_samples
     inputs, labels = collect_samples(data, limit=limit, keys=keys, what="the site's data")
     adapter = ModelAdapter.of(model, tuple(inputs.shape[1:]))
     leveled = adapter.adapt(model)
@@ -98,5 +125,9 @@ def compute_site_extras(
         started = time.monotonic()
         extras.grams = level_grams(leveled, inputs, factor=True)
         extras.seconds["grams"] = time.monotonic() - started
+    if kinds:  # on a copy: the user's model keeps its mode and device
+        started = time.monotonic()
+        extras.fisher = site_fisher(copy.deepcopy(leveled), inputs, kinds, device=device)
+        extras.seconds["fisher"] = time.monotonic() - started
     log.info("site extras %s computed on %d samples", sorted(wanted), len(inputs))
     return extras

@@ -3,6 +3,8 @@ checks before training, and the user's own model back."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -120,6 +122,37 @@ def test_one_upload_site_statistics_fuse_a_users_own_net_without_a_fusion_set(tm
     scores = [entry.scores for entry in strategy.store.entries]
     direct = make_fusion_method("kf-grams").fuse(leveled, FusionInputs(grams=grams, scores=scores))
     served = strategy.results["kf-grams"].model
+    assert isinstance(served, TemplateNet)
+    expected = adapter.export(direct.model).state_dict()
+    for name, tensor in served.state_dict().items():
+        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+
+
+def test_a_users_own_net_sends_the_fisher_kind_the_run_reads_and_is_fused_from_it(tmp_path):
+    """FedFisher(K-FAC) over Flower with a plain ClientApp: the train message asks for the K-FAC
+    factors only, add_fusion_extras computes them on the site's data, and the server's merge
+    equals the library's on the same factors."""
+    base = _net(0)
+    nets = [base, copy.deepcopy(base)]
+    with torch.no_grad():
+        nets[1].fc1.weight.add_(0.05)
+    site_data = [_data(1), _data(2)]
+    strategy = OneShotFusion(
+        "fedfisher-kfac", model_fn=TemplateNet, input_shape=(1, 28, 28), client_extras=True
+    )
+    messages = _train_messages(strategy)
+    assert requested_extras(messages[0]) == ["fisher-kfac"]
+    strategy.aggregate_train(1, _replies_with_extras(nets, site_data, messages))
+    assert strategy.problems == [] and strategy.failures == {}
+    adapter = ModelAdapter(TemplateNet, (1, 28, 28))
+    leveled = [adapter.adapt(net) for net in nets]
+    uploaded = strategy.store.fisher()
+    assert uploaded is not None and len(uploaded) == 2
+    assert all(set(f) and all(k.startswith("kfac.") for k in f) for f in uploaded)
+    direct = make_fusion_method("fedfisher-kfac").fuse(
+        leveled, FusionInputs(fisher=list(uploaded), sample_counts=[48, 48])
+    )
+    served = strategy.results["fedfisher-kfac"].model
     assert isinstance(served, TemplateNet)
     expected = adapter.export(direct.model).state_dict()
     for name, tensor in served.state_dict().items():
