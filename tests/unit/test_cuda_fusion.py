@@ -14,6 +14,7 @@ import torch
 
 from fedfuse.experiments import speed
 from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import LocalSites
 from fedfuse.models import build_model, make_spec
@@ -26,7 +27,18 @@ ARCHITECTURES = {
     "vit": ((3, 16, 16), {"patch": 4, "depth": 1, "heads": 2, "hidden": 16, "mlp": 16}),
 }
 #: methods whose fit is deterministic given the inputs, so CUDA must give the CPU's model
-CLOSED_FORM = ("vanilla", "fedavg", "regmean", "hf-linear", "kf-linear", "hf-sites", "kf-sites")
+CLOSED_FORM = (
+    "vanilla",
+    "fedavg",
+    "regmean",
+    "hf-linear",
+    "kf-linear",
+    "hf-sites",
+    "kf-sites",
+    "fisher-merging",
+    "fedfisher-diag",
+    "fedfisher-kfac",
+)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -55,6 +67,7 @@ def _inputs(models, data, device):
         sample_counts=[1] * len(models),
         class_counts=[counts] * len(models),
         grams=[level_grams(copy.deepcopy(m), data) for m in models],
+        fisher=[site_fisher(copy.deepcopy(m), data, FISHER_KINDS, device=device) for m in models],
         sites=LocalSites(models, halves, device=device),
     )
 
