@@ -305,7 +305,9 @@ def test_the_readme_table_is_what_the_main_command_prints(tmp_path):
     expected = _table_rows(shown)
     assert [r[0] for r in printed] == [r[0] for r in expected]
     for got, want in zip(printed, expected, strict=True):
-        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 0.3, (got, want)
+        # the same seeds train bit-different sites on CPUs of other vector units: between two
+        # machines of this kind the ensemble moved 0.62 points and fedavg 1.75 (2026-11-26)
+        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 2.0, (got, want)
         assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
         assert got[3:] == want[3:], (got, want)
     assert shown.strip().splitlines()[-1] in completed.stdout  # the privacy pointer

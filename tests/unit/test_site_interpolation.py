@@ -255,8 +255,8 @@ def test_block_statistics_of_two_sites_add_up_to_those_of_the_pooled_data(level,
         if name == "translation":
             continue  # each site's own fit: not a sum
         total = getattr(parts[0], name) + getattr(parts[1], name)
-        # float32 products per batch, float64 sums
-        torch.testing.assert_close(getattr(pooled, name), total, rtol=1e-5, atol=1e-5)
+        # float32 products per batch (their rounding moves with the thread count), float64 sums
+        torch.testing.assert_close(getattr(pooled, name), total, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", [HFSites, KFSites])
