@@ -1,12 +1,12 @@
 """Fusion methods behind one interface (:class:`FusionMethod`), found by name in a registry.
 
-One method per module (``averaging``, ``regmean``, ``otfusion``, ``git_rebasin``, ``fedma``,
-``neuron_interpolation``, ``site_interpolation``, ``gram_interpolation``, ``fs_merge``,
-``distillation``, ``fisher``) over shared steps, each in one place (``site_statistics``: what sites
-compute for statistics rounds): ``base`` (the interface, options and configs), ``inputs``
-(checking and resolving :class:`FusionInputs`: scores, model and head weights, levels),
-``matching`` (neuron costs and the Hungarian assignment), ``kmeans``, ``least_squares``,
-``alignment``, ``affine``, ``costs``, ``repair``; training loops live in
+One method per module (``averaging``, ``regmean``, ``regmean_fusion_set``, ``otfusion``,
+``git_rebasin``, ``fedma``, ``neuron_interpolation``, ``site_interpolation``,
+``gram_interpolation``, ``fs_merge``, ``distillation``, ``fisher``) over shared steps, each in one
+place (``site_statistics``: what sites compute for statistics rounds): ``base`` (the interface,
+options and configs), ``inputs`` (checking and resolving :class:`FusionInputs`: scores, model and
+head weights, levels), ``matching`` (neuron costs and the Hungarian assignment), ``kmeans``,
+``least_squares``, ``alignment``, ``affine``, ``costs``, ``repair``; training loops live in
 :mod:`fedfuse.training.loop`.
 """
 
@@ -39,6 +39,7 @@ from fedfuse.fusion.neuron_interpolation import (
 )
 from fedfuse.fusion.otfusion import OTFusion
 from fedfuse.fusion.regmean import RegMean
+from fedfuse.fusion.regmean_fusion_set import RegMeanFusionSet
 from fedfuse.fusion.site_interpolation import HFSites, KFSites, SiteInterpolation
 from fedfuse.fusion.site_statistics import (
     LocalSites,
@@ -80,6 +81,7 @@ __all__ = [
     "FedMAMatching",
     "FusionResult",
     "RegMean",
+    "RegMeanFusionSet",
     "GitReBasin",
     "OTFusion",
     "VanillaAveraging",

@@ -42,6 +42,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float]] = {
     "student_steps": (1, 100_000),
     "memory": (1, 100_000),
     "latent": (1, 65_536),
+    "folds": (2, 100),
 }
 
 

@@ -186,6 +186,8 @@ def _cases() -> list[Case]:
         Case("fedfisher-kfac", {"weighting": "uniform", "damping": 0.001}, models=3),
         Case("dense", {"epochs": 3, "batch_size": 16}),
         Case("dense", {"epochs": 2, "student_init": "average", "memory": 1}, models=3),
+        Case("regmean-fs", {"folds": 3}),
+        Case("regmean-fs", {"weight": 0.5, "align": "none"}, models=3),
     ]
     return cases
 
