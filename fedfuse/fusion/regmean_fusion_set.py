@@ -37,7 +37,9 @@ fusion set (the held-out rows' cross entropy), then refitted on every row.
 Alignment (``align="activations"``): models are permuted, level by level, onto model 0 by a
 maximum-correlation matching of their neurons on the fusion set (Git Re-Basin's activation
 matching), which keeps each model's function and makes neuron ``j`` mean one thing across
-models; sites trained from one shared initialisation are aligned already (``align="none"``).
+models; sites trained from one shared initialisation are aligned already (``align="none"``),
+and matching them again can only add noise. ``align="auto"`` (the default) cross-validates both
+with ``mu``, and keeps the pair of lower held-out loss.
 
 Exact properties (tested): identical sites give back the site's model for every ``mu``; the site
 term depends on the sites only through ``sum_k A_k^T G_k A_k`` and ``sum_k A_k^T G_k W'_k``,
@@ -71,7 +73,7 @@ log = logging.getLogger(__name__)
 
 #: the candidates of ``weight="auto"``: the site term's weight against the fusion set's
 WEIGHT_GRID = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
-ALIGNMENTS = ("activations", "none")
+ALIGNMENTS = ("auto", "activations", "none")
 
 
 def _outputs(model: LeveledModel, data: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -113,7 +115,8 @@ class RegMeanFusionSet(FusionMethod):
             by cross-validation on the fusion set.
         align: ``"activations"``: permute every model onto model 0 by matching its neurons'
             activations on the fusion set (models from independent initialisations);
-            ``"none"``: neuron ``j`` is the same in every model (one shared initialisation).
+            ``"none"``: neuron ``j`` is the same in every model (one shared initialisation);
+            ``"auto"``: the one of lower held-out loss, cross-validated with ``weight``.
         folds: folds of the cross-validation of ``weight="auto"``.
         label_power: the exponent ``gamma`` of the target weights ``w_ik ~ p_k(y_i | x_i)^gamma``
             (0: every model alike, as RegMean; larger: the surest model alone).
@@ -131,7 +134,7 @@ class RegMeanFusionSet(FusionMethod):
     def __init__(
         self,
         weight: float | str = "auto",
-        align: str = "activations",
+        align: str = "auto",
         folds: int = 5,
         label_power: float = 1.0,
         jitter: float = 1e-6,
@@ -169,23 +172,35 @@ class RegMeanFusionSet(FusionMethod):
         assert inputs.data is not None and inputs.labels is not None and inputs.grams is not None
         device = resolve_device(self.device)
         data, labels = inputs.data.to(device), inputs.labels.to(device)
-        if len(data) < self.folds and self.weight == "auto":
+        aligns = ("activations", "none") if self.align == "auto" else (self.align,)
+        weights = WEIGHT_GRID if self.weight == "auto" else (self.weight,)
+        choosing = len(aligns) * len(weights) > 1
+        if choosing and len(data) < self.folds:
             raise ValueError(
-                f"{self.name}: weight='auto' cross-validates on {self.folds} folds of the fusion "
-                f"set, which has {len(data)} samples"
+                f"{self.name}: weight or align 'auto' cross-validates on {self.folds} folds of "
+                f"the fusion set, which has {len(data)} samples"
             )
-        aligned = [copy.deepcopy(m).to(device).eval() for m in models]
-        readings = self._align(aligned, data) if self.align == "activations" else {}
-        levels = self._levels(aligned, inputs.grams, readings, data, labels)
-        details: dict[str, Any] = {"align": self.align}
-        weight = self.weight
-        if weight == "auto":
-            losses = self._cross_validate(aligned[0], levels, data, labels)
-            weight = min(losses, key=losses.get)
-            details["weight_losses"] = {str(mu): loss for mu, loss in losses.items()}
-            log.info("%s: weight %g (held-out loss %.4f)", self.name, weight, losses[weight])
-        fused = self._fit(aligned[0], levels, data, weight)
-        details["weight"] = weight
+        candidates, losses = {}, {}
+        for align in aligns:
+            aligned = [copy.deepcopy(m).to(device).eval() for m in models]
+            readings = self._align(aligned, data) if align == "activations" else {}
+            levels = self._levels(aligned, inputs.grams, readings, data, labels)
+            candidates[align] = (aligned[0], levels)
+            if choosing:
+                for weight, loss in self._cross_validate(*candidates[align], data, labels, weights):
+                    losses[align, weight] = loss
+        align, weight = min(losses, key=losses.get) if choosing else (aligns[0], weights[0])
+        details: dict[str, Any] = {"align": align, "weight": weight}
+        if choosing:
+            details["held_out_losses"] = {f"{a} {w:g}": loss for (a, w), loss in losses.items()}
+            log.info(
+                "%s: align %s, weight %g (held-out loss %.4f)",
+                self.name,
+                align,
+                weight,
+                losses[align, weight],
+            )
+        fused = self._fit(*candidates[align], data, weight)
         return fused.cpu(), details
 
     def _align(self, models: list[LeveledModel], data: torch.Tensor) -> dict[int, list]:
@@ -312,12 +327,11 @@ class RegMeanFusionSet(FusionMethod):
             hidden = fused.levels[index](hidden)
         return fused
 
-    def _cross_validate(self, reference, levels, data, labels) -> dict[float, float]:
-        """Each candidate weight's mean held-out cross entropy over ``folds`` folds."""
+    def _cross_validate(self, reference, levels, data, labels, weights):
+        """Each of ``weights`` with its mean held-out cross entropy over ``folds`` folds."""
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
         folds = order.chunk(self.folds)
-        losses = {}
-        for weight in WEIGHT_GRID:
+        for weight in weights:
             total = 0.0
             for fold in folds:
                 keep = torch.ones(len(data), dtype=torch.bool)
@@ -327,8 +341,7 @@ class RegMeanFusionSet(FusionMethod):
                 held = fold.to(data.device)
                 logits = _outputs(model, data[held], self.batch_size)
                 total += float(F.cross_entropy(logits, labels[held], reduction="sum"))
-            losses[weight] = total / len(data)
-        return losses
+            yield weight, total / len(data)
 
 
 __all__ = ["ALIGNMENTS", "WEIGHT_GRID", "RegMeanFusionSet"]

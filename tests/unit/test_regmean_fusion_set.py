@@ -55,7 +55,7 @@ def test_a_model_fused_with_its_permuted_copy_keeps_its_function(spec):
     permuted = permute_model(model, random_permutations(model, torch.Generator().manual_seed(1)))
     data = [randn(10, 40, *spec.input_shape), randn(11, 30, *spec.input_shape)]
     inputs = _with_grams([model, permuted], data, _fusion_set(spec))
-    fused = RegMeanFusionSet(weight=1.0).fuse([model, permuted], inputs).model
+    fused = RegMeanFusionSet(weight=1.0, align="activations").fuse([model, permuted], inputs).model
     torch.testing.assert_close(_outputs(fused, spec), _outputs(model, spec), rtol=1e-4, atol=1e-4)
 
 
@@ -83,13 +83,24 @@ def test_sites_sharing_a_model_fit_as_their_pooled_grams():
     torch.testing.assert_close(_outputs(three, MLP), _outputs(two, MLP), rtol=1e-4, atol=1e-4)
 
 
-def test_auto_weight_is_the_candidate_of_least_held_out_loss():
+def test_auto_picks_the_alignment_and_weight_of_least_held_out_loss():
     sites = [build_model(MLP, seed=s).eval() for s in (0, 1)]
     data = [randn(20 + k, 60, *MLP.input_shape) for k in range(2)]
     result = RegMeanFusionSet(folds=3).fuse(sites, _with_grams(sites, data, _fusion_set(MLP)))
-    losses = {float(k): v for k, v in result.details["weight_losses"].items()}
-    assert sorted(losses) == sorted(WEIGHT_GRID)
-    assert result.details["weight"] == min(losses, key=losses.get)
+    losses = result.details["held_out_losses"]
+    assert sorted(losses) == sorted(
+        f"{a} {w:g}" for a in ("activations", "none") for w in WEIGHT_GRID
+    )
+    chosen = f"{result.details['align']} {result.details['weight']:g}"
+    assert losses[chosen] == min(losses.values())
+
+
+def test_a_permuted_copy_is_recognised_by_its_held_out_loss():
+    model = build_model(MLP, seed=0).eval()
+    permuted = permute_model(model, random_permutations(model, torch.Generator().manual_seed(1)))
+    data = [randn(10, 40, *MLP.input_shape), randn(11, 30, *MLP.input_shape)]
+    inputs = _with_grams([model, permuted], data, _fusion_set(MLP))
+    assert RegMeanFusionSet().fuse([model, permuted], inputs).details["align"] == "activations"
 
 
 def test_a_broken_gram_is_named_with_its_site_and_level():
