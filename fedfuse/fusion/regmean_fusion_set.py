@@ -46,6 +46,11 @@ term depends on the sites only through ``sum_k A_k^T G_k A_k`` and ``sum_k A_k^T
 so sites sharing a model fit as their pooled data would; a permuted copy of a model is aligned
 back and fused into the model itself.
 
+A fusion set that lacks classes the sites hold (one site's data, as the paper's skewed
+fusion set on class-sharded sites) cannot validate its own term on them, and its term would pull
+every level towards the classes it shows: when the sites' class counts show such a class, the
+fit falls back to the sites' term alone (``mu = inf``) and a warning names the classes.
+
 Upload per site: the model and its level Grams, as RegMean's. Affine levels only (MLPs, plain
 CNNs, VGG): the Grams of a ResNet block or a ViT encoder are not one level's design.
 """
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any
 
 import torch
@@ -111,8 +117,12 @@ class RegMeanFusionSet(FusionMethod):
 
     Args:
         weight: ``mu``, the weight of the sites' Gram term against the fusion set's (after
-            scaling both to one trace), ``>= 0``; ``"auto"``: chosen among :data:`WEIGHT_GRID`
-            by cross-validation on the fusion set.
+            scaling both to one trace), ``>= 0`` (``inf``: the sites' term alone, RegMean on
+            the aligned models); ``"auto"``: chosen among :data:`WEIGHT_GRID` by
+            cross-validation on the fusion set, or ``inf`` when the fusion set shows no sample
+            of a class some site holds (:attr:`FusionInputs.class_counts`): the fusion term
+            would then pull the fit towards the classes it shows, and its cross-validation
+            cannot see the others.
         align: ``"activations"``: permute every model onto model 0 by matching its neurons'
             activations on the fusion set (models from independent initialisations);
             ``"none"``: neuron ``j`` is the same in every model (one shared initialisation);
@@ -158,6 +168,10 @@ class RegMeanFusionSet(FusionMethod):
         self.label_power = float(label_power)
         self.fit_bias, self.batch_size, self.device = fit_bias, int(batch_size), device
 
+    def needs(self) -> frozenset[str]:
+        # the sites' class counts say which classes the fusion set must show (when sent)
+        return self.requirements() | {"class_counts"}
+
     def check_architecture(self, model: LeveledModel) -> None:
         """Every neuron level affine, each with an intercept as ``fit_bias`` asks."""
         for index, view in affine_levels(model).items():
@@ -174,6 +188,16 @@ class RegMeanFusionSet(FusionMethod):
         data, labels = inputs.data.to(device), inputs.labels.to(device)
         aligns = ("activations", "none") if self.align == "auto" else (self.align,)
         weights = WEIGHT_GRID if self.weight == "auto" else (self.weight,)
+        unseen = self._unseen_classes(inputs)
+        if unseen:
+            log.warning(
+                "%s: the fusion set has no sample of classes %s, which the sites hold; its "
+                "term cannot be checked there, so the levels are fitted on the sites' Grams "
+                "alone (weight=inf)",
+                self.name,
+                unseen,
+            )
+            weights = (math.inf,)
         choosing = len(aligns) * len(weights) > 1
         if choosing and len(data) < self.folds:
             raise ValueError(
@@ -190,7 +214,7 @@ class RegMeanFusionSet(FusionMethod):
                 for weight, loss in self._cross_validate(*candidates[align], data, labels, weights):
                     losses[align, weight] = loss
         align, weight = min(losses, key=losses.get) if choosing else (aligns[0], weights[0])
-        details: dict[str, Any] = {"align": align, "weight": weight}
+        details: dict[str, Any] = {"align": align, "weight": weight, "unseen_classes": unseen}
         if choosing:
             details["held_out_losses"] = {f"{a} {w:g}": loss for (a, w), loss in losses.items()}
             log.info(
@@ -202,6 +226,14 @@ class RegMeanFusionSet(FusionMethod):
             )
         fused = self._fit(*candidates[align], data, weight)
         return fused.cpu(), details
+
+    @staticmethod
+    def _unseen_classes(inputs: FusionInputs) -> list[int]:
+        """Classes some site holds (by its class counts) that no fusion-set sample shows."""
+        if inputs.class_counts is None or inputs.labels is None:
+            return []
+        held = {c for counts in inputs.class_counts for c, n in enumerate(counts) if n > 0}
+        return sorted(held - set(inputs.labels.tolist()))
 
     def _align(self, models: list[LeveledModel], data: torch.Tensor) -> dict[int, list]:
         """Permute models ``1..`` onto model 0 in place, level by level; each level's
@@ -310,7 +342,9 @@ class RegMeanFusionSet(FusionMethod):
                 rhs = design.T @ targets / count
                 gram = level.gram.to(design.device)
                 scale = float(gram.trace()) / max(float(system.trace()), 1e-300)
-                if weight > 0 and scale > 0:
+                if math.isinf(weight):  # the sites' term alone: RegMean on the aligned models
+                    system, rhs = gram / scale, level.moments.to(design.device) / scale
+                elif weight > 0 and scale > 0:
                     system = system + (weight / scale) * gram
                     rhs = rhs + (weight / scale) * level.moments.to(design.device)
                 # directions no data reaches keep the models' mean weights

@@ -123,3 +123,23 @@ def test_it_asks_for_grams_and_refuses_blocks_before_any_site_trains():
         RegMeanFusionSet(weight=-1.0)
     with pytest.raises(ValueError, match="align"):
         RegMeanFusionSet(align="hungarian")
+
+
+def test_a_fusion_set_missing_a_class_the_sites_hold_falls_back_to_the_sites_term(caplog):
+    sites = [build_model(MLP, seed=s).eval() for s in (0, 1)]
+    data = [randn(20 + k, 60, *MLP.input_shape) for k in range(2)]
+    fusion = _fusion_set(MLP)
+    shown = fusion.labels != 2  # class 2 only on the sites
+    inputs = _with_grams(
+        sites, data, FusionInputs(data=fusion.data[shown], labels=fusion.labels[shown])
+    )
+    inputs.class_counts = [[5, 5, 0], [0, 5, 5]]
+    with caplog.at_level("WARNING"):
+        result = RegMeanFusionSet(align="none").fuse(sites, inputs)
+    assert result.details["weight"] == float("inf") and result.details["unseen_classes"] == [2]
+    assert "classes [2]" in caplog.text
+    alone = RegMeanFusionSet(weight=float("inf"), align="none", jitter=0.0).fuse(sites, inputs)
+    plain = RegMean(alpha=1.0, jitter=0.0).fuse(sites, inputs).model
+    torch.testing.assert_close(
+        _outputs(alone.model, MLP), _outputs(plain, MLP), rtol=1e-4, atol=1e-4
+    )
