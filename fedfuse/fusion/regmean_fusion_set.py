@@ -189,7 +189,7 @@ class RegMeanFusionSet(FusionMethod):
         aligns = ("activations", "none") if self.align == "auto" else (self.align,)
         weights = WEIGHT_GRID if self.weight == "auto" else (self.weight,)
         unseen = self._unseen_classes(inputs)
-        if unseen:
+        if unseen and self.weight == "auto":  # an explicit weight is the user's choice
             log.warning(
                 "%s: the fusion set has no sample of classes %s, which the sites hold; its "
                 "term cannot be checked there, so the levels are fitted on the sites' Grams "
