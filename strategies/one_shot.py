@@ -6,14 +6,14 @@ messages; the same flow control, timeout and validation as the train round). Fin
 sites after fusion is one more round, ``finetune_round.SiteFinetuneRound``
 (:meth:`OneShotFusion.finetune_round`), run by the ServerApp once the zero-shot results stand.
 
-The server checks that every listed fusion method can fuse this run (number of sites,
-architecture, inputs) before any site trains, sends every connected site one train message,
-and takes the replies **as they arrive**: each is validated (naming a bad client) and written
-at once to the run's :class:`~fedfuse.federation.uploads.UploadStore`, so the server never holds
-every upload in memory and nothing a site computed is lost if a later step fails. Once all sites
-replied, or the reply timeout passed, the accepted uploads are fused by each method of the
-Flower-free library; a method that fails is recorded with its error and the others go on.
-There is no federated evaluation round: the server evaluates the fused models itself.
+The server checks that every listed fusion method can fuse this run (number of sites, architecture,
+inputs) before any site trains, sends every connected site one train message, and takes the replies
+**as they arrive**: each is validated (naming a bad client) and written at once to the run's
+:class:`~fedfuse.federation.uploads.UploadStore`, so the server never holds every upload in memory
+and nothing a site computed is lost if a later step fails. Once all sites replied, or the reply
+timeout passed, the accepted uploads are fused by each method of the Flower-free library; a method
+that fails is recorded with its error and the others go on (no federated evaluation round: the
+server evaluates the fused models itself).
 
 **Any Flower app.** With ``model_fn`` (the app's own model class) the strategy takes the replies
 of a plain ClientApp, as Flower's templates write it: the trained weights as an ``ArrayRecord``
@@ -26,10 +26,10 @@ traced once (:class:`~fedfuse.models.ModelAdapter`); the fusion set is the app's
                              client_extras=True)
     result = strategy.start(grid=grid, initial_arrays=ArrayRecord(Net().state_dict()))
 
-Methods that read more than weights from the sites (``fedfuse methods``) get it when the
-ClientApp calls :func:`fedfuse.clients.add_fusion_extras` and the strategy is told so
-(``client_extras=True``); otherwise they are refused when the strategy is built, before any
-site trains.
+Methods that read more than weights from the sites (``fedfuse methods``) get it when the ClientApp
+calls :func:`fedfuse.clients.add_fusion_extras` and the strategy is told so
+(``client_extras=True``); otherwise they are refused when the strategy is built, before any site
+trains.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs,
 from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
 from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.fusion.fisher import fisher_kinds
+from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec
 from fedfuse.runtime import configure_logging
@@ -145,6 +146,7 @@ class OneShotFusion(Strategy):
             save the model before anything else can fail).
         secure: aggregate the rounds summed over sites with Flower's SecAgg+
             (:mod:`.secure_sums`); a method that would read anything per site is refused now.
+        inversion: complete the fusion set from the uploads' BatchNorm statistics (None: not).
 
     Raises:
         MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
@@ -173,8 +175,10 @@ class OneShotFusion(Strategy):
         check_contract: bool = False,
         on_fused: Callable[[str, FusionResult], None] | None = None,
         secure: SecureSettings | None = None,
+        inversion: InvertedFusionSet | None = None,
     ) -> None:
         self.methods = as_methods(methods)
+        self.inversion = inversion
         if secure is not None:
             check_secure_methods(self.methods)
         self.secure = secure
@@ -205,10 +209,8 @@ class OneShotFusion(Strategy):
         self.require_scores = (
             require_scores if require_scores is not None else model_fn is None
         ) or "scores" in self._extras
-        self.before_training = before_training
-        self.on_upload = on_upload
-        self.max_in_flight = max_in_flight
-        self.target = target
+        self.before_training, self.on_upload = before_training, on_upload
+        self.max_in_flight, self.target = max_in_flight, target
         self.contract = contract
         self.check_contract = check_contract and contract is not None and model_fn is None
         self.on_fused = on_fused
@@ -558,6 +560,8 @@ class OneShotFusion(Strategy):
             else None
         )
         inputs = fusion_inputs(self.store, fusion_set, sites=sites)
+        if self.inversion is not None:  # rows inverted from the uploads' BatchNorm statistics
+            inputs = self.inversion.complete_inputs(models, inputs)
         for method in self.methods:
             method_started = time.monotonic()
             try:

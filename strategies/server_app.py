@@ -54,6 +54,7 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod, FusionResult
 from fedfuse.fusion.dense import SyntheticFusionSet
+from fedfuse.fusion.inversion import check_invertible
 from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import ModelSpec, build_model
@@ -121,6 +122,8 @@ class OneShotRun:
             if settings.synthetic_fusion_set
             else None
         )
+        #: completes the fusion set from the uploads' BatchNorm statistics, else None
+        self.inversion = settings.fusion_inversion()
         #: what the run is doing (named by a failure or a stop)
         self.phase = "start"
         self.contract: DataContract | None = None
@@ -164,6 +167,8 @@ class OneShotRun:
             if path and not Path(path).expanduser().is_file():
                 raise ServerFileError(f"run config {key}='{path}': no such file on the server")
         spec = scenario.model_spec()  # a fusion-data file that cannot be read fails here
+        if self.inversion is not None:
+            check_invertible(build_model(spec), where="run config fusion-invert-samples")
         reference = self.fusion_set(0) if self.settings.fusion_data else scenario.train_set
         try:
             scenario.test_set  # noqa: B018 - loaded now, not after every site trained
@@ -245,6 +250,7 @@ class OneShotRun:
             secure=SecureSettings(settings.secure_threshold, settings.reply_timeout)
             if settings.secure_aggregation
             else None,
+            inversion=self.inversion,
         )
         self.phase = "collect and fuse"
         try:
@@ -257,6 +263,8 @@ class OneShotRun:
             self.phases.update(strategy.timings)
             if self.synthetic is not None and self.synthetic.seconds is not None:
                 self.phases["synthetic_fusion_set"] = self.synthetic.seconds
+            if self.inversion is not None and self.inversion.seconds is not None:
+                self.phases["inverted_fusion_set"] = self.inversion.seconds
             self.save()
 
         self.phase = "evaluate"

@@ -21,11 +21,13 @@ The paper's optional steps have rows of their own, never mixed into the zero-sho
 * ``fusion_set.augment_copies=N``: the method fuses with a fusion set expanded by ``N`` cropped
   and flipped copies; a different row (its id covers the augmentation), labelled
   ``<method> +aug(xN)``.
+* ``fusion_set.invert_samples=N``: the fusion set is completed, after the uploads, with ``N``
+  rows per site inverted from its model's BatchNorm statistics
+  (:mod:`fedfuse.fusion.inversion`); a row of its own, labelled ``<method> +inv(xN)``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +35,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,75 +44,27 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from fedfuse.experiments.row_ids import ROW_FORMAT, row_id, without_finetuning
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.simulation import simulate_command
 from fedfuse.federation.site import finetune_site, train_site
-from fedfuse.federation.site_cache import SiteCache, site_set_key
-from fedfuse.federation.uploads import fusion_inputs, needs_grams
-from fedfuse.fusion import FusionMethod
+from fedfuse.federation.site_cache import SiteCache
+from fedfuse.federation.uploads import fusion_inputs, needs_grams, upload_facts
 from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.fusion.fisher import fisher_kinds
+from fedfuse.fusion.inversion import check_invertible
 from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.models import build_model
 from fedfuse.runtime import PeakMemory
-from fedfuse.settings.hydra import (
-    NON_RESULT_OPTIONS,
-    method_from_config,
-    method_label,
-    settings_from_config,
-)
+from fedfuse.settings.hydra import method_from_config, method_label, settings_from_config
 from fedfuse.settings.run import RunSettings, finetune_seed, initial_seed
 from fedfuse.training.averaging import average_models, state_bytes
 from fedfuse.training.finetune import finetune
 
 log = logging.getLogger("fedfuse.experiments.compare")
-
-ROW_FORMAT = "fedfuse-compare-row/1"
-#: a row's stage: the fused model as fused, or fine-tuned after fusion
-STAGES = ("zero-shot", "finetuned")
-#: run-config keys that pick the data a fusion set or test set is drawn from
-_ROW_FIELDS = ("score_method", "fusion_samples", "fusion_source", "fusion_data", "test_samples")
-
-
-def row_id(
-    settings: RunSettings, sites: int, method: FusionMethod, runner: str, stage: str = "zero-shot"
-) -> str:
-    """A stable digest of everything that determines a row (site set, scores, fusion and test
-    sets with any augmentation, the method and its result-changing options, the runner, and for
-    a fine-tuned row the fine-tuning keys). Rows without augmentation keep the ids they had
-    before augmentation existed; a fine-tuned row's id reads ``<method>-ft-<digest>``."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    options = {k: v for k, v in method.options().items() if k not in NON_RESULT_OPTIONS}
-    preimage = {
-        "site_set": site_set_key(settings, sites),
-        **{name: getattr(settings, name) for name in _ROW_FIELDS},
-        "method": method.name,
-        "options": options,
-        "runner": runner,
-    }
-    augment = settings.fusion_augment_options()
-    if augment is not None:
-        preimage["fusion_augment"] = augment
-    if settings.fused_widths.strip():  # absent by default: earlier rows keep their ids
-        preimage["fused_widths"] = settings.fused_widths.strip()
-    prefix = method.name
-    if stage == "finetuned":
-        preimage["finetune"] = settings.finetune_options()
-        prefix += "-ft"
-    digest = hashlib.sha256(json.dumps(preimage, sort_keys=True, default=str).encode())
-    return f"{prefix}-{digest.hexdigest()[:12]}"
-
-
-def _without_finetuning(settings: RunSettings) -> RunSettings:
-    """``settings`` with the fine-tuning keys at their defaults (what a zero-shot row records:
-    the same whichever job wrote it)."""
-    default = RunSettings()
-    names = [f.name for f in fields(RunSettings) if f.name.startswith("finetune_")]
-    return replace(settings, **{name: getattr(default, name) for name in names})
 
 
 @dataclass
@@ -148,7 +102,7 @@ class Job:
         )
         self.ft_row_path = self.sweep_dir / "rows" / f"{self.ft_id}.json" if self.ft_id else None
         self.site_set_dir = self.cache.directory(self.settings, self.sites)
-        augment = self.settings.augment_label()
+        augment = self.settings.fusion_set_label()
         self.label = method_label(self.method) + (f" {augment}" if augment else "")
         self.ft_label = f"{self.label} {self.settings.finetune_label()}"
 
@@ -171,7 +125,7 @@ class Job:
         return rows_ok and (not self.finetunes or self._read_ok(self.ft_row_path) is not None)
 
     def base_row(self, stage: str = "zero-shot") -> dict[str, Any]:
-        s = self.settings if stage == "finetuned" else _without_finetuning(self.settings)
+        s = self.settings if stage == "finetuned" else without_finetuning(self.settings)
         row = {
             "format": ROW_FORMAT,
             "row_id": self.id if stage == "zero-shot" else self.ft_id,
@@ -217,6 +171,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         scenario = Scenario(job.settings, job.sites)
         spec = scenario.model_spec()
         job.method.check_run(job.sites, spec, target=job.settings.fused_spec(spec))
+        if job.settings.fusion_invert_samples and job.method.needs() & {"data", "labels"}:
+            check_invertible(build_model(spec), where="fusion_set.invert_samples")  # before sites
         runner = _run_library if job.runner == "library" else _run_flower
         outcome = runner(job, scenario)
         if outcome.zero_shot is None:  # kept from an earlier run; only the fine-tuning ran
@@ -329,6 +285,8 @@ def _fuse_library(
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
         sites = LocalSites(models, site_inputs, device=settings.device)
     inputs = fusion_inputs(uploads, fusion_set, sites=sites, needs=needs)
+    if (inverted := settings.fusion_inversion()) is not None:  # from the uploads' BatchNorms
+        inputs = inverted.complete_inputs(models, inputs, upload_facts(uploads).class_counts)
     with PeakMemory() as peak:
         result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
     return result.model, {
@@ -338,6 +296,7 @@ def _fuse_library(
         "fusion_peak_cuda_mib": None if peak.cuda_mib is None else round(peak.cuda_mib, 1),
         "round_upload_bytes": statistics_round_bytes(result.details, job.sites),
         "synthetic_fusion_set_seconds": None if synthetic is None else synthetic.seconds,
+        "inverted_fusion_set_seconds": None if inverted is None else inverted.seconds,
         "details": json_safe(result.details),
     }
 

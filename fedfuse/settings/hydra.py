@@ -130,6 +130,8 @@ KEYS: tuple[Key, ...] = (
     Key("fusion_set.augment_copies", "fusion_augment_copies"),
     Key("fusion_set.augment_flip", "fusion_augment_flip"),
     Key("fusion_set.augment_padding", "fusion_augment_padding"),
+    Key("fusion_set.invert_samples", "fusion_invert_samples"),
+    Key("fusion_set.invert_steps", "fusion_invert_steps"),
     Key("finetune.data", "finetune_data"),
     Key("finetune.epochs", "finetune_epochs"),
     Key("finetune.lr", "finetune_lr"),

@@ -27,6 +27,7 @@ from fedfuse.fusion.base import (
     parse_method_names,
     parse_options,
 )
+from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.models import ModelSpec, build_model, make_spec
 from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import check_device
@@ -66,6 +67,8 @@ RANGES: dict[str, Range] = {
     "fusion_samples": Range(1, 10**7),
     "fusion_augment_copies": Range(0, 1_000),
     "fusion_augment_padding": Range(0, 1_000),
+    "fusion_invert_samples": Range(0, 10**6),
+    "fusion_invert_steps": Range(1, 10**6),
     "test_samples": Range(0, 10**9),
     "min_nodes": Range(1, 10**6),
     "node_wait_timeout": Range(0, 10**7, integer=False, open_low=True),
@@ -134,6 +137,8 @@ class RunSettings:
     fusion_augment_copies: int = 0
     fusion_augment_flip: bool = True
     fusion_augment_padding: int = 4
+    fusion_invert_samples: int = 0
+    fusion_invert_steps: int = 200
     test_samples: int = 0
     fusion_data: str = ""
     test_data: str = ""
@@ -179,6 +184,11 @@ class RunSettings:
             raise ValueError(
                 "fusion-source='synthetic' has no real fusion set to fine-tune on; use "
                 "finetune-data='sites'"
+            )
+        if self.fusion_invert_samples and self.synthetic_fusion_set:
+            raise ValueError(
+                "fusion-invert-samples completes the real fusion set, and fusion-source="
+                "'synthetic' has none: choose one"
             )
         self.class_groups()
         self.architecture_options()
@@ -292,6 +302,32 @@ class RunSettings:
         if self.fusion_augment_padding != default.fusion_augment_padding:
             parts.append(f"pad={self.fusion_augment_padding}")
         return f"+aug({','.join(parts)})"
+
+    def fusion_inversion(self) -> InvertedFusionSet | None:
+        """The run's fusion-set completion by BatchNorm inversion (None when it has none)."""
+        if not self.fusion_invert_samples:
+            return None
+        return InvertedFusionSet(
+            self.fusion_invert_samples,
+            steps=self.fusion_invert_steps,
+            seed=self.seed + 2,
+            device=self.device,
+        )
+
+    def fusion_set_label(self) -> str:
+        """What a result row's label adds for its fusion set (:meth:`augment_label`, then
+        :meth:`invert_label`, space-separated); ``""`` for the plain one."""
+        return " ".join(label for label in (self.augment_label(), self.invert_label()) if label)
+
+    def invert_label(self) -> str:
+        """``+inv(xN)`` (with ``steps=S`` where it differs from the default) for a result row
+        whose fusion set was completed by BatchNorm inversion; ``""`` otherwise."""
+        if not self.fusion_invert_samples:
+            return ""
+        parts = [f"x{self.fusion_invert_samples}"]
+        if self.fusion_invert_steps != RunSettings().fusion_invert_steps:
+            parts.append(f"steps={self.fusion_invert_steps}")
+        return f"+inv({','.join(parts)})"
 
     def finetune_label(self) -> str:
         """``+ft(<data>,<E>ep)`` (with the fine-tuning keys that differ from the defaults) for a

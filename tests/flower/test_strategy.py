@@ -184,3 +184,33 @@ def test_stream_replies_keeps_a_window_and_names_the_silent_and_the_never_sent()
         stream_replies(grid, messages, 0.2, max_in_flight=3, poll_interval=0.01)
     )
     assert replies == [] and silent == list(range(1, 21))
+
+
+def test_the_strategy_completes_its_fusion_set_by_inversion(tmp_path):
+    from fedfuse.fusion.inversion import InvertedFusionSet
+
+    settings = quick_site_settings(model="resnet", model_options="width_multiplier=0.0625")
+    resnets = [train_site(settings, pid, 2) for pid in range(2)]
+    real = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
+    inversion = InvertedFusionSet(samples=3, steps=2, device="cpu")
+    method, seen = make_fusion_method("kf-linear"), []
+    fuse = method.fuse
+    method.fuse = lambda models, inputs, **kw: seen.append(inputs) or fuse(models, inputs, **kw)
+    strategy = OneShotFusion(
+        [method],
+        store=UploadStore(tmp_path),
+        min_nodes=2,
+        node_wait_timeout=0.2,
+        fusion_set=real,
+        inversion=inversion,
+    )
+    strategy._sent = [3, 8]
+    strategy.aggregate_train(
+        1, [reply_from(pack_upload(resnets[0]), 3), reply_from(pack_upload(resnets[1]), 8)]
+    )
+    assert strategy.problems == [] and "kf-linear" in strategy.results
+    (inputs,) = seen  # the 4 real rows first, then 3 inverted ones per site, for its classes
+    assert inputs.data.shape == (4 + 2 * 3, 1, 8, 8) and torch.equal(inputs.data[:4], real[0])
+    held = [set(torch.nonzero(torch.tensor(c)).flatten().tolist()) for c in inputs.class_counts]
+    assert set(inputs.labels[4:7].tolist()) <= held[0]
+    assert set(inputs.labels[7:].tolist()) <= held[1]

@@ -348,3 +348,28 @@ def test_an_augmented_fusion_set_is_a_row_of_its_own(tmp_path):
 
 def _rows_list(sweep: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((sweep / "rows").glob("*.json"))]
+
+
+def test_an_inverted_fusion_set_is_a_row_of_its_own_and_needs_batchnorm(tmp_path):
+    resnet = [
+        "dataset=digits",
+        "model=resnet",
+        "model.options.width_multiplier=0.0625",
+        "training.epochs=1",
+        "scores.samples=32",
+        "method=kf-linear",
+        f"output_dir={tmp_path}",
+    ]
+    inverted = ["fusion_set.invert_samples=6", "fusion_set.invert_steps=3"]
+    assert compare.main([*resnet, *inverted]) == 0
+    (row,) = _rows_list(tmp_path / "default")
+    assert row["status"] == "ok", row.get("error")
+    assert row["label"] == "kf-linear +inv(x6,steps=3)"
+    assert row["inverted_fusion_set_seconds"] > 0
+    # a model without BatchNorm is refused before any site trains, by the key's name
+    mlp = [*TINY, "method=kf-linear", f"output_dir={tmp_path / 'mlp'}", *inverted]
+    assert compare.main(mlp) == 0  # a failed job is a row; the sweep goes on
+    (failed,) = _rows_list(tmp_path / "mlp" / "default")
+    assert failed["status"] == "failed"
+    assert "fusion_set.invert_samples" in failed["error"] and "BatchNorm" in failed["error"]
+    assert not list((tmp_path / "mlp").rglob("site_*.safetensors"))
