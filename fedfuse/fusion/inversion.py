@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs
 from fedfuse.runtime import resolve_device
@@ -149,6 +150,7 @@ class InvertedFusionSet:
         samples: rows to generate per model (0: the real set unchanged).
         steps, lr, bn_weight, tv_weight, seed, device: :func:`invert_batchnorm`'s (model ``k``
             is seeded with ``seed + k``).
+        progress: a progress bar over the models (None: where the output is a terminal).
     """
 
     samples: int = 200
@@ -158,6 +160,7 @@ class InvertedFusionSet:
     tv_weight: float = 1e-2
     seed: int = 0
     device: str = "auto"
+    progress: bool | None = None
     #: wall seconds of the last completion (None before one)
     seconds: float | None = None
 
@@ -182,7 +185,8 @@ class InvertedFusionSet:
         started = time.perf_counter()
         rows = [inputs]
         targets = [labels if labels is not None else torch.empty(0, dtype=torch.int64)]
-        for k, model in enumerate(models):
+        bar = tqdm(models, desc="BatchNorm inversion", disable=self._quiet(), leave=False)
+        for k, model in enumerate(bar):
             counts = None if class_counts is None else torch.as_tensor(class_counts)
             held = torch.tensor(site_classes(counts, k, num_classes))
             wanted = held[torch.arange(self.samples) % len(held)]
@@ -208,6 +212,9 @@ class InvertedFusionSet:
             self.seconds,
         )
         return torch.cat(rows), None if labels is None else torch.cat(targets).to(labels.dtype)
+
+    def _quiet(self) -> bool | None:
+        return None if self.progress is None else not self.progress
 
     def complete_inputs(
         self,
