@@ -47,6 +47,7 @@ from fedfuse.fusion.site_statistics import (
     StatisticsRequest,
     site_statistics,
 )
+from fedfuse.fusion.trusted_interpolation import HFTrust, KFTrust, TrustedInterpolation
 from fedfuse.fusion.zipit import ZipIt
 
 __all__ = [
@@ -60,10 +61,13 @@ __all__ = [
     "GramInterpolation",
     "HFGrams",
     "HFSites",
+    "HFTrust",
     "KFGrams",
     "KFSites",
+    "KFTrust",
     "LocalSites",
     "SiteInterpolation",
+    "TrustedInterpolation",
     "SiteStatistics",
     "StatisticsRequest",
     "site_statistics",

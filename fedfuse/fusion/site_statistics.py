@@ -233,6 +233,7 @@ def site_statistics(
     *,
     batch_size: int = 256,
     device: str | torch.device = "auto",
+    sample_weights: torch.Tensor | None = None,
 ) -> SiteStatistics:
     """A site's statistics of ``request.level``: its own model and the fused prefix on ``data``.
 
@@ -245,6 +246,8 @@ def site_statistics(
         request: the server's request (the fused model and the level).
         batch_size: samples per forward pass (design rows are chunked further).
         device: where to compute (``"auto"``: CUDA when available).
+        sample_weights: a weight ``>= 0`` per sample: its rows count this much in every sum
+            (and in the rows reported). None: 1 each.
     """
     started = time.perf_counter()
     if len(data) == 0:
@@ -260,9 +263,17 @@ def site_statistics(
             f"level {index} of the site's model ({type(own_level).__name__}) has no piece "
             f"{request.piece}; the architectures differ"
         )
+    if sample_weights is not None:
+        sample_weights = torch.as_tensor(sample_weights, dtype=torch.float32).flatten()
+        if len(sample_weights) != len(data):
+            raise ValueError(f"{len(sample_weights)} sample weights for {len(data)} samples")
+        if not bool(torch.isfinite(sample_weights).all()) or bool((sample_weights < 0).any()):
+            raise ValueError("sample weights must be finite and >= 0")
     if request.max_samples is not None and request.max_samples < len(data):
         generator = torch.Generator().manual_seed(request.seed)
-        data = data[torch.randperm(len(data), generator=generator)[: request.max_samples]]
+        kept = torch.randperm(len(data), generator=generator)[: request.max_samples]
+        data = data[kept]
+        sample_weights = None if sample_weights is None else sample_weights[kept]
     fan_in, width = piece.fan_in(fused_level), own_pieces[request.piece].width(own_level)
     if request.site_reading is not None:
         if request.site_reading.shape[1:] != (width,):
@@ -305,7 +316,15 @@ def site_statistics(
                 rows = torch.cat([design, z * privacy.target_scale], 1)
                 joint = clip_samples(rows, len(x[part]), privacy.clip)
                 design, z = joint[:, :fan_in], joint[:, fan_in:]
-            sums.add(design, z, stream)
+            mass = None
+            if sample_weights is not None:  # a sample's rows scaled by the root of its weight
+                w = sample_weights[start : start + batch_size][part].to(design)
+                positions = len(design) // len(w)
+                root = w.sqrt().repeat_interleave(positions)[:, None]
+                design, z = design * root, z * root
+                stream = None if stream is None else stream * root
+                mass = float(w.sum()) * positions
+            sums.add(design, z, stream, mass)
     if privacy is not None:
         sums.add_noise(privacy)
     fit = ridge_fit(sums.gram, sums.cross, sums.target_gram.diagonal(), sums.rows)
@@ -323,7 +342,7 @@ def site_statistics(
     }
     return SiteStatistics(
         level=index,
-        rows=sums.rows,
+        rows=max(1, round(sums.rows)),
         gram=sent.to(wire).cpu(),
         gram_floor=floor,
         cross=sums.cross.to(wire).cpu(),
@@ -343,15 +362,23 @@ class _Sums:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.float64, device=device)
 
-        self.rows = 0
+        self.rows: float = 0
         self.gram, self.cross = zeros(fan_in, fan_in), zeros(fan_in, width)
         self.target_gram = zeros(width, width)
         self.stream_cross = zeros(fan_in, stream_width) if stream_width else None
         self.stream_target = zeros(width, stream_width) if stream_width else None
         self.stream_norms = zeros(stream_width) if stream_width else None
 
-    def add(self, x: torch.Tensor, z: torch.Tensor, stream: torch.Tensor | None) -> None:
-        self.rows += len(x)
+    def add(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        stream: torch.Tensor | None,
+        mass: float | None = None,
+    ) -> None:
+        """Add rows ``x``, targets ``z`` and the stream; ``mass``: the rows' weight (their
+        count unless given)."""
+        self.rows += len(x) if mass is None else mass
         self.gram += (x.T @ x).double()
         self.cross += (x.T @ z).double()
         self.target_gram += (z.T @ z).double()
@@ -442,7 +469,9 @@ def statistics_round_bytes(details: dict, num_sites: int) -> list[list[int]]:
 
 
 class LocalSites:
-    """The sites in-process: each base model with its own training inputs.
+    """The sites in-process: each base model with its own training inputs (and, optionally,
+    a weight per input: :func:`site_statistics`' ``sample_weights``; a site whose weights sum
+    to 0 does not answer).
 
     The library's :class:`SiteChannel` (``fedfuse compare``, tests, notebooks): every request is
     answered by :func:`site_statistics` on each site's data, one site after the other.
@@ -455,9 +484,15 @@ class LocalSites:
         *,
         batch_size: int = 256,
         device: str | torch.device = "auto",
+        sample_weights: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if len(models) != len(data):
             raise ValueError(f"LocalSites: {len(models)} models but {len(data)} datasets")
+        if sample_weights is not None and len(sample_weights) != len(data):
+            raise ValueError(
+                f"LocalSites: {len(sample_weights)} weight vectors for {len(data)} datasets"
+            )
+        self.sample_weights = None if sample_weights is None else list(sample_weights)
         self.models = list(models)
         self.data = list(data)
         self.batch_size = batch_size
@@ -472,12 +507,23 @@ class LocalSites:
         return self._problems
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
-        return [
-            site_statistics(
-                m, d, request.for_site(i), batch_size=self.batch_size, device=self.device
+        replies: list[SiteStatistics | None] = []
+        for i, (model, data) in enumerate(zip(self.models, self.data, strict=True)):
+            weights = None if self.sample_weights is None else self.sample_weights[i]
+            if weights is not None and not float(torch.as_tensor(weights).sum()) > 0:
+                replies.append(None)  # no row counts for this site: it has nothing to say
+                continue
+            replies.append(
+                site_statistics(
+                    model,
+                    data,
+                    request.for_site(i),
+                    batch_size=self.batch_size,
+                    device=self.device,
+                    sample_weights=weights,
+                )
             )
-            for i, (m, d) in enumerate(zip(self.models, self.data, strict=True))
-        ]
+        return replies
 
 
 def check_reply(

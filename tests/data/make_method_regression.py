@@ -186,6 +186,9 @@ def _cases() -> list[Case]:
         Case("fedfisher-kfac", {"weighting": "uniform", "damping": 0.001}, models=3),
         Case("dense", {"epochs": 3, "batch_size": 16}),
         Case("dense", {"epochs": 2, "student_init": "average", "memory": 1}, models=3),
+        Case("kf-trust"),
+        Case("kf-trust", {"trust_exponent": 0.0, "use_scores": False}, models=3),
+        Case("hf-trust", {"trust_exponent": float("inf")}),
         Case("regmean-fs", {"folds": 3}),
         Case("regmean-fs", {"weight": 0.5, "align": "none"}, models=3),
     ]
