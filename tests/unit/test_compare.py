@@ -373,3 +373,17 @@ def test_an_inverted_fusion_set_is_a_row_of_its_own_and_needs_batchnorm(tmp_path
     assert failed["status"] == "failed"
     assert "fusion_set.invert_samples" in failed["error"] and "BatchNorm" in failed["error"]
     assert not list((tmp_path / "mlp").rglob("site_*.safetensors"))
+
+
+def test_kf_trust_fuses_real_sites_on_a_balanced_fusion_set(tmp_path):
+    common = [*TINY, "sites=2", "partition=sharded", "method=kf-trust,kf-linear"]
+    assert compare.main(["-m", *common, "fusion_set=balanced", f"output_dir={tmp_path}"]) == 0
+    rows = {r["method"]: r for r in _rows_list(tmp_path / "default")}
+    assert rows["kf-trust"]["status"] == "ok", rows["kf-trust"].get("error")
+    trust = rows["kf-trust"]
+    # digits, two sites of 5 classes each: far above one site's model (about half)
+    assert trust["accuracy"] > 0.6 > max(trust["base_accuracies"])
+    assert trust["round_upload_bytes"] == []  # one upload, the fits on the server
+    # each of the 400 fusion rows shared between the models by their belief in its label
+    rows_per_model = trust["details"]["trust"]["rows_per_model"]
+    assert sum(rows_per_model) == pytest.approx(trust["settings"]["fusion-samples"], abs=0.1)
