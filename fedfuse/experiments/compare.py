@@ -102,8 +102,8 @@ class Job:
         )
         self.ft_row_path = self.sweep_dir / "rows" / f"{self.ft_id}.json" if self.ft_id else None
         self.site_set_dir = self.cache.directory(self.settings, self.sites)
-        augment = self.settings.fusion_set_label()
-        self.label = method_label(self.method) + (f" {augment}" if augment else "")
+        parts = (self.settings.fusion_set_label(), self.settings.widths_label())
+        self.label = " ".join([method_label(self.method), *(part for part in parts if part)])
         self.ft_label = f"{self.label} {self.settings.finetune_label()}"
 
     @staticmethod
@@ -291,6 +291,8 @@ def _fuse_library(
         result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
     return result.model, {
         "fusion_seconds": result.seconds,
+        "fused_parameters": _parameters(result.model),
+        "site_parameters": _parameters(models[0]),
         "fusion_peak_rss_mib": round(peak.rss_mib, 1),
         "fusion_extra_rss_mib": round(peak.extra_mib, 1),
         "fusion_peak_cuda_mib": None if peak.cuda_mib is None else round(peak.cuda_mib, 1),
@@ -369,6 +371,10 @@ def _finetune_library(
     if job.cfg.save_models:
         row["fused_checkpoint"] = _save_model(job, model, job.ft_id, job.ft_label)
     return row
+
+
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def _save_model(job: Job, model, row: str, label: str) -> str:

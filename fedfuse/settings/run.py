@@ -314,6 +314,12 @@ class RunSettings:
             device=self.device,
         )
 
+    def widths_label(self) -> str:
+        """``widths(2x)`` (or ``widths(w,w,...)``) for a result row fused into other widths than
+        the sites' (``fused-widths``); ``""`` for the sites' own."""
+        text = self.fused_widths.strip()
+        return f"widths({text.replace(' ', '')})" if text else ""
+
     def fusion_set_label(self) -> str:
         """What a result row's label adds for its fusion set (:meth:`augment_label`, then
         :meth:`invert_label`, space-separated); ``""`` for the plain one."""

@@ -346,6 +346,19 @@ def test_an_augmented_fusion_set_is_a_row_of_its_own(tmp_path):
     assert rows["kf-linear"]["fusion_augment"] is None
 
 
+def test_a_wider_fused_model_is_a_row_of_its_own_with_its_size(tmp_path):
+    common = [*TINY, "method=kf-linear", f"output_dir={tmp_path}"]
+    assert compare.main(common) == 0
+    assert compare.main([*common, "fused_widths=2x"]) == 0
+    rows = {r["label"]: r for r in _rows_list(tmp_path / "default")}
+    assert sorted(rows) == ["kf-linear", "kf-linear widths(2x)"]
+    same, wide = rows["kf-linear"], rows["kf-linear widths(2x)"]
+    assert wide["status"] == "ok", wide.get("error")
+    assert same["fused_parameters"] == same["site_parameters"]
+    assert wide["site_parameters"] == same["site_parameters"]
+    assert wide["fused_parameters"] > 1.5 * wide["site_parameters"]
+
+
 def _rows_list(sweep: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((sweep / "rows").glob("*.json"))]
 

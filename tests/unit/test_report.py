@@ -23,6 +23,8 @@ from fedfuse.experiments.report.document import (
     main,
     write_report,
 )
+from fedfuse.experiments.report.rows import summarize
+from fedfuse.experiments.report.tables import format_results_markdown, summary_records
 from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.models import build_model, make_spec
 
@@ -313,3 +315,16 @@ def test_load_sweep_and_formatting_helpers(tmp_path):
     assert format_stat(Stat.of([1.0])) == "1.00 ± – (n=1)"
     assert format_stat(Stat.of([]), failed=2) == "failed (n=0, 2 failed)"
     assert Stat.of([1.0, None, 3.0]) == Stat(2.0, math.sqrt(2.0), 2)
+
+
+def test_a_fused_model_of_another_size_says_its_size():
+    same = _row("a", "sharded", 2, 0, "kf-linear", fused_parameters=1000, site_parameters=1000)
+    wide = _row("b", "sharded", 2, 0, "kf-linear", fused_parameters=2940, site_parameters=1000)
+    wide["label"] = "kf-linear widths(2x)"
+    summary = summarize([same, wide])
+    md = "\n".join(format_results_markdown(summary))
+    assert "| kf-linear widths(2x) | conductance | fusion | 1.50 ± – s · 2.94× a site's" in md
+    assert "| kf-linear | conductance | fusion | 1.50 ± – s · 3.9 KiB |" in md
+    sizes = {r["label"]: r["fused_size_vs_site_mean"] for r in summary_records(summary)}
+    assert sizes["kf-linear widths(2x)"] == pytest.approx(2.94)
+    assert sizes["kf-linear"] == pytest.approx(1.0)

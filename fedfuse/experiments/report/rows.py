@@ -146,6 +146,7 @@ class SummaryRow:
     stage: str = ZERO_SHOT  # or FINETUNED: the fused model fine-tuned after fusion
     finetune_seconds: Stat = Stat(None, None, 0)  # of a fine-tuned row
     peak_extra_mib: Stat = Stat(None, None, 0)  # the fusion's peak RSS over its start
+    size: Stat = Stat(None, None, 0)  # the fused model's parameters over a site model's
 
     @property
     def reference(self) -> bool:
@@ -171,6 +172,11 @@ def _mean_upload(row: dict[str, Any]) -> float | None:
     if not isinstance(upload, list) or not upload:
         return None
     return float(np.mean([float(b) for b in upload]))
+
+
+def _size(row: dict[str, Any]) -> float | None:
+    fused, site = row.get("fused_parameters"), row.get("site_parameters")
+    return fused / site if isinstance(fused, int) and isinstance(site, int) and site else None
 
 
 def _round_upload(row: dict[str, Any]) -> tuple[int, float | None]:
@@ -247,6 +253,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[SummaryRow]:
                 stage=stage,
                 finetune_seconds=Stat.of(r.get("finetune_seconds") for r in good),
                 peak_extra_mib=Stat.of(r.get("fusion_extra_rss_mib") for r in good),
+                size=Stat.of(_size(r) for r in good),
             )
         )
     return sorted(summary, key=_order)

@@ -102,7 +102,8 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
         lines += [
             "",
             "Fusion time (s), the fusion's peak memory over the process's memory at its start "
-            "(where measured), and upload per site, mean ± sample std over seeds (the train "
+            "(where measured), the fused model's size where it is not a site model's, and "
+            "upload per site, mean ± sample std over seeds (the train "
             "round's upload, then any further rounds, statistics or site fine-tuning: their "
             "count × a site's largest one; `+ ft` is the fine-tuning time):",
             "",
@@ -116,6 +117,8 @@ def format_results_markdown(summary: Sequence[SummaryRow]) -> list[str]:
                 cell += f" + ft {format_stat(r.finetune_seconds, count=False)} s"
             if r.peak_extra_mib.mean is not None:
                 cell += f" · +{r.peak_extra_mib.mean:.0f} MiB"
+            if r.size.mean is not None and abs(r.size.mean - 1) > 1e-9:  # not a site's size
+                cell += f" · {r.size.mean:.2f}× a site's parameters"
             cell += f" · {human_bytes(r.upload.mean)}"
             if r.rounds:  # rounds after the train round: their count and largest
                 cell += f" + {r.rounds} × ≤{human_bytes(r.round_upload.mean)}"
@@ -168,6 +171,7 @@ def summary_records(summary: Sequence[SummaryRow]) -> list[dict[str, Any]]:
                 "fusion_seconds_mean": r.seconds.mean,
                 "fusion_seconds_std": r.seconds.std,
                 "fusion_peak_extra_mib_mean": r.peak_extra_mib.mean,
+                "fused_size_vs_site_mean": r.size.mean,
                 "finetune_seconds_mean": r.finetune_seconds.mean,
                 "finetune_seconds_std": r.finetune_seconds.std,
                 "upload_bytes_per_site_mean": None
