@@ -48,6 +48,7 @@ from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, cholesky_upper, ridg
 from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
+from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one
 from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
 from fedfuse.fusion.privacy import (
     GaussianStatistics,
@@ -220,6 +221,9 @@ class SiteInterpolation(FusionMethod):
                 fit_intercept(view.layer, self.fit_bias, where=where)
 
     # ------------------------------------------------------------------ checks
+    def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
+        check_one_to_one(self.name, self.grouping, [spec.widths, target.widths])
+
     def _check_structure(self, models: list[LeveledModel], target: ModelSpec) -> list[int]:
         levels = models[0].neuron_levels
         for number, model in enumerate(models):
@@ -237,13 +241,9 @@ class SiteInterpolation(FusionMethod):
                 f"{self.name}: the target {target.arch} {target.widths} does not have the base "
                 f"models' levels"
             )
-        if self.grouping == "hungarian":
-            widths = {m.spec.widths for m in models} | {target.widths}
-            if len(widths) != 1:
-                raise ValueError(
-                    f"{self.name}: Hungarian grouping matches models of the target's width "
-                    f"one-to-one (got widths {sorted(widths)}); use kf-sites"
-                )
+        check_one_to_one(
+            self.name, self.grouping, [*(m.spec.widths for m in models), target.widths]
+        )
         return levels
 
     # ------------------------------------------------------------------ the algorithm

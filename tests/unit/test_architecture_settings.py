@@ -56,6 +56,17 @@ def test_a_fused_width_is_checked_against_every_method_before_training():
     check_methods(methods[:1], 2, spec, None, target)  # kf-gradient fuses into any width
 
 
+@pytest.mark.parametrize("name", ["hf-linear", "hf-gradient", "hf-sites", "hf-trust"])
+def test_hungarian_variants_refuse_another_width_before_training(name):
+    spec = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
+    target = RunSettings(fused_widths="2x").fused_spec(spec)
+    with pytest.raises(MethodsUnfit, match=f"{name}: Hungarian grouping matches .* one-to-one"):
+        check_methods([make_fusion_method(name)], 2, spec, None, target)
+    kmeans = make_fusion_method("k" + name[1:])
+    check_methods([kmeans], 2, spec, None, target)  # K-means grouping fuses into any width
+    check_methods([make_fusion_method(name)], 2, spec, None, None)
+
+
 def test_methods_that_start_from_a_site_model_refuse_another_width_before_training():
     spec = make_spec("mlp", (1, 8, 8), 10, widths=(16, 16))
     target = spec.with_widths((8, 8))

@@ -37,7 +37,7 @@ from fedfuse.fusion.neuron_interpolation.gradient import (
 )
 from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neurons, residual_labels
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
-from fedfuse.fusion.neuron_interpolation.structure import check_structure
+from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one, check_structure
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 from fedfuse.models.capture import LevelIO, LevelStream
@@ -201,9 +201,7 @@ class NeuronInterpolation(FusionMethod):
         if grouping not in GROUPINGS:
             raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
         if approximation not in APPROXIMATIONS:
-            raise ValueError(
-                f"approximation must be one of {APPROXIMATIONS}, got {approximation!r}"
-            )
+            raise ValueError(f"approximation must be one of {APPROXIMATIONS}: {approximation!r}")
         if preset not in GRADIENT_PRESETS:
             raise ValueError(f"preset must be one of {sorted(GRADIENT_PRESETS)}, got {preset!r}")
         if fallback_scores not in SCORE_METHODS:
@@ -256,9 +254,11 @@ class NeuronInterpolation(FusionMethod):
         return torch.float32 if self.gram_precision == "float32" else torch.float64
 
     # ------------------------------------------------------------------ configuration
+    def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
+        check_one_to_one(self.name, self.grouping, [spec.widths, target.widths])
+
     def check_architecture(self, model: LeveledModel) -> None:
-        """The Linear variants fit affine levels and ResNet stems and BasicBlocks in closed
-        form; the Gradient variants train any differentiable level."""
+        """Linear fits affine levels and ResNet blocks in closed form; Gradient trains any."""
         if self.approximation == "linear":
             check_block_levels(model, affine_view)
             for index in model.neuron_levels:

@@ -7,6 +7,8 @@ models (any number) of the target's levels and width, the Linear fit the target'
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fedfuse.models import LeveledModel, ModelSpec, build_model, corresponding_levels
 
 
@@ -44,11 +46,16 @@ def check_structure(
         if approximation == "linear" and model.neuron_levels != reference.neuron_levels:
             raise ValueError(f"{name}: model {index} has other neuron levels")
         mappings.append(mapping)
-    if grouping == "hungarian":
-        widths = {m.spec.widths for m in models} | {target.widths}
-        if len(widths) != 1:
-            raise ValueError(
-                f"{name}: Hungarian Fusion matches models of the target's width one-to-one "
-                f"(got widths {sorted(widths)}); use K-means Fusion"
-            )
+    check_one_to_one(name, grouping, [*(m.spec.widths for m in models), target.widths])
     return mappings
+
+
+def check_one_to_one(name: str, grouping: str, widths: Iterable[tuple[int, ...]]) -> None:
+    """Hungarian grouping pairs neurons one-to-one, so every model and the fused one need the
+    same widths; K-means grouping fuses into any width."""
+    distinct = sorted(set(widths))
+    if grouping == "hungarian" and len(distinct) != 1:
+        raise ValueError(
+            f"{name}: Hungarian grouping matches neurons one-to-one, so the sites and the fused "
+            f"model need the same widths (got {distinct}); use the K-means variant"
+        )
