@@ -316,9 +316,10 @@ class RunSettings:
 
     def widths_label(self) -> str:
         """``widths(2x)`` (or ``widths(w,w,...)``) for a result row fused into other widths than
-        the sites' (``fused-widths``); ``""`` for the sites' own."""
+        the sites' (``fused-widths``); ``""`` for the sites' own (``""`` or ``1x``)."""
         text = self.fused_widths.strip()
-        return f"widths({text.replace(' ', '')})" if text else ""
+        same = not text or self.fused_widths_request() == 1.0
+        return "" if same else f"widths({text.replace(' ', '')})"
 
     def fusion_set_label(self) -> str:
         """What a result row's label adds for its fusion set (:meth:`augment_label`, then

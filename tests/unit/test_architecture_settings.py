@@ -39,6 +39,8 @@ def test_fused_widths_key_scales_or_lists_the_widths():
     assert RunSettings(fused_widths="0.5x").fused_spec(spec).widths == (8, 8, 16, 32, 64)
     assert RunSettings(fused_widths="4,4,8,8,8").fused_spec(spec).widths == (4, 4, 8, 8, 8)
     assert RunSettings(fused_widths="1x").fused_spec(spec) is None
+    assert RunSettings(fused_widths="1x").widths_label() == RunSettings().widths_label() == ""
+    assert RunSettings(fused_widths="1.5x").widths_label() == "widths(1.5x)"
     with pytest.raises(ValueError, match="fused-widths '4,4' does not fit the sites' resnet"):
         RunSettings(fused_widths="4,4").fused_spec(spec)
     vit = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
