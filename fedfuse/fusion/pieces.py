@@ -13,8 +13,10 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
   ``BN(y) = a y + b``). A **BasicBlock** is two: ``conv1`` onto the inner channels, then
   ``conv2`` (jointly with a projection shortcut's conv) onto the output channels; an identity
   shortcut's input is the *stream* the outputs add to, subtracted from the targets. A fitted
-  BatchNorm holds the affine map it stands for (mean 0, variance ``1 - eps``, scale 1, the
-  fitted bias); the targets are pre-activations (ReLU is monotone, and the fit stays linear).
+  BatchNorm holds the affine map it stands for (conv output plus the fitted bias), with its
+  input's mean and variance on the fitted rows (read off the design's Gram) as running
+  statistics, so train mode starts from the same function; the targets are pre-activations
+  (ReLU is monotone, and the fit stays linear).
 * A **ViT patch embedding** is one: token ``t >= 1`` is ``W p_t + b + pos_t`` (``p_t`` its
   patch), the class token ``cls + pos_0``, affine in the row ``[p_t, e_t]`` (``p_0 = 0``,
   ``e_t`` the one-hot token): the projection and one offset per token (held by the position
@@ -43,6 +45,11 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
      design ``P_c ñ`` measures it, and the left factor is ``W_v`` (:func:`value_weights`).
      ``V``'s bias is 0: each row of ``P_c`` sums to one, so it would only add a constant.
   3. ``out``: ``O`` refitted given ``V``, which recovers what the cut lost.
+
+  The fit sets the products ``W_q^T W_k`` and ``W_o W_v``, not how their factors share the
+  scale; once a block's attention is fitted, its factors are balanced channel by channel
+  (:func:`~fedfuse.models.symmetry.balance_attention`, the same function), so that a fused
+  model can be trained further.
   4. ``fc1``: the MLP's pre-activations (inner neurons, equal weights) from ``LN_2(a)``.
   5. ``fc2``: the block output's groups minus ``a`` from ``gelu(fc_1)``.
 """
@@ -60,6 +67,7 @@ from torch import nn
 from fedfuse.fusion.blocks.least_squares import gram_spectrum
 from fedfuse.models.affine import AffineLevel, affine_view, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
+from fedfuse.models.symmetry import balance_attention
 from fedfuse.models.vit import Attention, EncoderBlock, PatchEmbedding
 
 Rows = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -132,13 +140,45 @@ def pre_output(block: BasicBlock, x: torch.Tensor) -> torch.Tensor:
     return block.bn2(block.conv2(h)) + block.shortcut(x)
 
 
-def set_batchnorm(norm: nn.BatchNorm2d, bias: torch.Tensor) -> None:
-    """``norm`` as the map ``y + bias`` in eval mode (mean 0, variance ``1 - eps``, scale 1)."""
+def set_batchnorm(
+    norm: nn.BatchNorm2d,
+    bias: torch.Tensor,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """``norm`` as the map ``y + bias`` in eval mode.
+
+    With ``moments``, the mean and variance of its input ``y`` on the fitted rows, they become
+    its running statistics and its scale and shift absorb them (``sqrt(var + eps)``, ``bias +
+    mean``): the same eval-mode map, and in train mode a batch like those rows is normalised as
+    in eval mode, so the fused model can be trained further. Without them: mean 0, variance
+    ``1 - eps``, scale 1."""
     with torch.no_grad():
-        norm.running_mean.zero_()
-        norm.running_var.fill_(1.0 - norm.eps)
-        norm.weight.fill_(1.0)
-        norm.bias.copy_(bias.to(norm.bias.dtype))
+        if moments is None:
+            norm.running_mean.zero_()
+            norm.running_var.fill_(1.0 - norm.eps)
+            norm.weight.fill_(1.0)
+            norm.bias.copy_(bias.to(norm.bias.dtype))
+            return
+        mean, var = (m.to(norm.running_mean.device, torch.float64) for m in moments)
+        norm.running_mean.copy_(mean)
+        norm.running_var.copy_(var)
+        norm.weight.copy_((var + norm.eps).sqrt())
+        norm.bias.copy_(bias.to(norm.bias.device, torch.float64) + mean)
+
+
+def output_moments(
+    w: torch.Tensor, gram: torch.Tensor, columns: slice
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-output mean and variance over the design's rows of ``X[:, columns] @ w[columns]``
+    (one conv's output before its BatchNorm), from the Gram ``X^T X`` of a design whose last
+    column is the ones (its corner is the row count). None when the Gram has no such column."""
+    if gram.shape != (len(w), len(w)) or not gram[-1, -1] > 0:
+        return None
+    gram, part = gram.double(), w[columns].double().to(gram.device)
+    count = gram[-1, -1]
+    mean = gram[-1, columns] @ part / count
+    second = ((gram[columns, columns] @ part) * part).sum(0) / count
+    return mean, (second - mean * mean).clamp_min(0)
 
 
 def whitener(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,17 +297,19 @@ def _conv_piece(
             parts.append(AffineLevel([], conv, bias=False).design(inputs))
         return _with_ones(torch.cat(parts, 1))
 
-    def load(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
-        start = 0
+    def load(level: nn.Module, w: torch.Tensor, gram: torch.Tensor) -> None:
+        start, columns = 0, []
         with torch.no_grad():
             for conv in modules(level):
                 size = conv.weight[0].numel()
                 conv.weight.copy_(w[start : start + size].T.reshape(conv.weight.shape))
+                columns.append(slice(start, start + size))
                 start += size
-        set_batchnorm(getattr(level, norm), w[-1])
+        set_batchnorm(getattr(level, norm), w[-1], output_moments(w, gram, columns[0]))
         if "shortcut.0" in convs:
             shortcut_norm = level.shortcut[1]
-            set_batchnorm(shortcut_norm, torch.zeros(shortcut_norm.num_features))
+            zero = torch.zeros(shortcut_norm.num_features)
+            set_batchnorm(shortcut_norm, zero, output_moments(w, gram, columns[1]))
 
     return LinearPiece(
         name,
@@ -348,6 +390,7 @@ def _load_logits(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None
             norm.bias.zero_()
     AffineLevel([], level.attention.q).set_weights(w[:, :width])
     AffineLevel([], level.attention.k).set_weights(w[:, width:])
+    balance_attention(level.attention)
 
 
 def _head_values(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -368,6 +411,11 @@ def _head_outputs(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
     normed = _normalised(_tokens(x), level.ln1)
     values = _split(attention, attention.v(normed))
     return _with_ones(_rows((_maps(attention, normed) @ values).transpose(1, 2).flatten(2)))
+
+
+def _load_output(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
+    AffineLevel([], level.attention.out).set_weights(w)
+    balance_attention(level.attention)  # the values were fitted by the piece before
 
 
 def _hidden(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -425,7 +473,7 @@ _ENCODER = (
         target=lambda m, x: _rows(_mid(m, x)),
         fan_in=lambda m: m.attention.v.out_features + 1,
         width=_stream_width,
-        load=_set("attention.out"),
+        load=_load_output,
         stream=lambda m, x: _rows(_tokens(x)),
     ),
     LinearPiece(
@@ -455,6 +503,7 @@ __all__ = [
     "attention_logits",
     "attention_map_points",
     "linear_pieces",
+    "output_moments",
     "pre_output",
     "set_batchnorm",
     "value_weights",

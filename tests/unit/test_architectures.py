@@ -15,6 +15,7 @@ from fedfuse.models.affine import affine_view, output_rows
 from fedfuse.models.capture import LevelStream, capture_levels
 from fedfuse.models.resnet import BasicBlock
 from fedfuse.models.symmetry import (
+    balance_attention,
     feature_spaces,
     map_state,
     permute_model,
@@ -164,6 +165,32 @@ def test_a_permutation_outside_the_attention_heads_breaks_the_function(generator
     broken.load_state_dict(state)
     x = torch.randn(4, *spec.input_shape, generator=generator)
     assert not torch.allclose(broken.eval()(x), model(x), atol=1e-4)
+
+
+def test_balancing_attention_keeps_the_function_and_equalises_each_channel_pair(generator):
+    spec = SPECS["vit-28x28x1"]
+    model = build_model(spec, seed=0).eval()
+    attention = model.levels[1].attention
+    scales = torch.logspace(-3, 3, attention.v.out_features)
+    with torch.no_grad():  # a factorisation of the same products as a closed-form fit leaves it
+        attention.q.weight.mul_(scales[:, None])
+        attention.q.bias.mul_(scales)
+        attention.k.weight.div_(scales[:, None])
+        attention.k.bias.div_(scales)
+        attention.v.weight.mul_(scales[:, None])
+        attention.v.bias.mul_(scales)
+        attention.out.weight.div_(scales)
+    x = torch.randn(8, *spec.input_shape, generator=generator)
+    before = model(x)
+    balance_attention(attention)
+    torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-4)
+
+    def norms(layer):
+        return (layer.weight.pow(2).sum(1) + layer.bias.pow(2)).sqrt()
+
+    torch.testing.assert_close(norms(attention.q), norms(attention.k))
+    torch.testing.assert_close(norms(attention.v), attention.out.weight.norm(dim=0))
+    assert norms(attention.v).max() / norms(attention.v).min() < 10  # was 10^6
 
 
 def test_map_state_changes_widths_and_names_a_bad_map():

@@ -144,6 +144,24 @@ def test_closed_form_fusion_of_a_model_with_its_permuted_copy_keeps_its_function
     assert [list(s) for s in sublayers[:3]] == SUBLAYERS[spec.arch] and sublayers[-1] is None
 
 
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_a_fused_vit_has_balanced_attention_factors(method, generator):
+    """The closed form fits the products of queries and keys, of values and outputs; their
+    factors come back with equal norms per channel (on trained ViTs they differed by 10^4, and
+    one epoch of fine-tuning then broke the fused model)."""
+    models = [_model(VIT, seed, generator) for seed in range(2)]
+    data = torch.randn(96, *VIT.input_shape, generator=generator)
+    fused = make_fusion_method(method, use_scores=False).fuse(models, FusionInputs(data)).model
+
+    def norms(layer):
+        return (layer.weight.pow(2).sum(1) + layer.bias.pow(2)).sqrt()
+
+    for block in fused.levels[1:-1]:
+        attention = block.attention
+        torch.testing.assert_close(norms(attention.q), norms(attention.k))
+        torch.testing.assert_close(norms(attention.v), attention.out.weight.norm(dim=0))
+
+
 def test_attention_heads_are_matched_across_models_by_their_maps(generator):
     """A copy whose heads are reordered (queries, keys, values and the output's columns moved
     together) pairs each head with its own image, so the fit stays exact."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fedfuse.fusion import HFSites, KFSites, LocalSites, StatisticsRequest, site_statistics
+from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics
 from fedfuse.fusion.blocks.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.inputs import FusionInputs
 from fedfuse.fusion.site_statistics import SiteStatistics, compress_gram
@@ -335,3 +336,26 @@ def test_a_vit_fused_on_site_statistics_with_its_permuted_copy_keeps_its_functio
         0,
         1,
     ]
+
+
+def test_a_resnet_fused_on_site_statistics_holds_the_pooled_batchnorm_statistics():
+    """Each fitted BatchNorm's running statistics are its input's on the sites' pooled rows
+    (read off the design's Gram), so the fused model trains on from the function it has."""
+    models = [_resnet(0), _resnet(1)]
+    data = [randn(5, 48, *RESNET.input_shape), randn(6, 40, *RESNET.input_shape)]
+    sites = LocalSites(models, data, device="cpu")
+    fused = KFSites(use_scores=False).fuse(models, FusionInputs(sites=sites)).model.eval()
+    pooled = torch.cat(data)
+    modules = dict(fused.named_modules())
+    statistics = batchnorm_input_statistics(fused, pooled)
+    assert len(statistics) == 12
+    for name, (mean, var) in statistics.items():
+        norm = modules[name]
+        torch.testing.assert_close(norm.running_mean.double(), mean, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(norm.running_var.double(), var, atol=1e-4, rtol=1e-3)
+    # a batch of those rows in train mode is normalised as in eval mode
+    expected = fused(pooled)
+    for module in fused.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.train()
+    torch.testing.assert_close(fused(pooled), expected, atol=1e-3, rtol=1e-3)
