@@ -37,6 +37,7 @@ OPTION_BOUNDS: dict[str, tuple[float, float]] = {
     "reference": (0, 100_000),
     "body": (0, 100_000),
     "seed": (0, 2**32 - 1),
+    "whiten_rcond": (0, 1),
     "dp_noise_seed": (0, 2**63 - 1),
     "generator_steps": (1, 100_000),
     "student_steps": (1, 100_000),

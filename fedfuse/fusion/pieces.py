@@ -57,7 +57,9 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
@@ -181,10 +183,32 @@ def output_moments(
     return mean, (second - mean * mean).clamp_min(0)
 
 
+#: :func:`whitener`'s default cut: eigenvalues below it times the Gram's mean eigenvalue are
+#: dropped (the zero-shot fit; ``whiten_rcond`` of the closed-form methods)
+WHITEN_RCOND = 1e-8
+_whiten_rcond: ContextVar[float] = ContextVar("whiten_rcond", default=WHITEN_RCOND)
+
+
+@contextmanager
+def whitening_cutoff(rcond: float) -> Iterator[None]:
+    """Within the block, :func:`whitener` drops eigen-directions below ``rcond`` times the
+    mean eigenvalue. Whitening gives every kept direction of a design equal weight, so the
+    factors fitted through it (attention's queries, keys and values) grow large along
+    directions the data barely excites; they leave the function on the data alone but turn a
+    training step into a large change. A cut near ``1e-3`` keeps them small at a small cost in
+    the zero-shot fit (``docs/results.md``)."""
+    token = _whiten_rcond.set(rcond)
+    try:
+        yield
+    finally:
+        _whiten_rcond.reset(token)
+
+
 def whitener(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(H, H^+)``: ``H H^T = gram`` on its range and ``H^+`` its pseudo-inverse transposed; a
-    map ``M`` cut as ``H^T M`` is cut where the data measures its error (``||X M||``)."""
-    spectrum = gram_spectrum(gram, rows=1, rcond=1e-8)
+    map ``M`` cut as ``H^T M`` is cut where the data measures its error (``||X M||``). The
+    range is cut at :func:`whitening_cutoff`'s ``rcond``."""
+    spectrum = gram_spectrum(gram, rows=1, rcond=_whiten_rcond.get())
     root = spectrum.values.sqrt()
     return spectrum.vectors * root, spectrum.vectors / root
 
@@ -508,4 +532,5 @@ __all__ = [
     "set_batchnorm",
     "value_weights",
     "whitener",
+    "whitening_cutoff",
 ]

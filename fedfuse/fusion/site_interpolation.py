@@ -16,8 +16,7 @@ fused model is built bottom-up, one neuron level per round:
    is the distance of two neurons' outputs over all sites' data. The points ``R h_i`` are
    grouped as in HF (one-to-one Hungarian matching; more than two models: iterative
    re-matching, :func:`~fedfuse.fusion.blocks.matching.one_to_one_labels`) or KF
-   (importance-weighted k-means),
-   weighted by the sites' importance scores.
+   (k-means), weighted by the sites' importance scores.
 3. *Reading*: fused neuron ``c`` is read, on site ``k``'s data, as model ``k``'s neurons in group
    ``c`` (importance-weighted mean), or model ``k``'s nearest neuron when the group has none of
    its neurons: a matrix ``P_k`` (``fused width x width_k``). The classifier reads each model's
@@ -49,7 +48,7 @@ from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one
-from fedfuse.fusion.pieces import LinearPiece, attention_logits, linear_pieces
+from fedfuse.fusion.pieces import WHITEN_RCOND, LinearPiece, attention_logits, linear_pieces
 from fedfuse.fusion.privacy import (
     GaussianStatistics,
     calibrate_noise,
@@ -93,6 +92,8 @@ class SiteInterpolation(FusionMethod):
         score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
         ridge: relative ridge of every level's fit; None chooses it per level by GCV over
             :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID` from the sites' statistics.
+        whiten_rcond: the cut of the attention fits' whitening; ``1e-3`` for a model to train
+            further (:func:`~fedfuse.fusion.pieces.whitening_cutoff`).
         fit_bias: whether an affine level's fit has an intercept: ``"auto"`` exactly when its
             layer has a bias (a bias-free layer's design has no column of ones), True always (an
             error names a level whose layer has none), False never (the server drops the
@@ -136,6 +137,7 @@ class SiteInterpolation(FusionMethod):
         use_scores: bool = True,
         score_normalization: str = "sum",
         ridge: float | None = None,
+        whiten_rcond: float = WHITEN_RCOND,
         fit_bias: bool | str = "auto",
         max_samples: int | None = None,
         statistics_dtype: str = "float32",
@@ -162,7 +164,7 @@ class SiteInterpolation(FusionMethod):
         self.grouping = grouping
         self.use_scores = use_scores
         self.score_normalization = score_normalization
-        self.ridge = ridge
+        self.ridge, self.whiten_rcond = ridge, whiten_rcond
         check_fit_bias(fit_bias, self.name)
         self.fit_bias = fit_bias
         self.max_samples = max_samples
@@ -175,13 +177,11 @@ class SiteInterpolation(FusionMethod):
         self.n_init = n_init
         resolve_variance(kmeans_variance, 1, 1)  # ValueError now, not at the first level
         self.kmeans_variance = kmeans_variance
-        self.max_iter = max_iter
-        self.tol = tol
+        self.max_iter, self.tol = max_iter, tol
         self.seed = seed
         self.progress = progress
         self.dp_epsilon = check_dp_options(dp_epsilon, dp_delta, dp_clip, self.name)
-        self.dp_delta = dp_delta
-        self.dp_clip = dp_clip
+        self.dp_delta, self.dp_clip = dp_delta, dp_clip
         self.dp_noise_seed = dp_noise_seed
 
     def requirements(self) -> frozenset[str]:

@@ -50,6 +50,7 @@ import torch
 
 from fedfuse.fusion.base import FusionInputs, register_fusion_method
 from fedfuse.fusion.neuron_interpolation.options import fixed_variant
+from fedfuse.fusion.pieces import WHITEN_RCOND
 from fedfuse.fusion.site_interpolation import SiteInterpolation
 from fedfuse.fusion.site_statistics import LocalSites
 from fedfuse.models import LeveledModel, ModelSpec
@@ -104,6 +105,7 @@ class TrustedInterpolation(SiteInterpolation):
         use_scores: weight neurons by the sites' importance scores (else uniformly).
         score_normalization: per model and level, ``"sum"``, ``"max"`` or ``"none"``.
         ridge: relative ridge of every level's fit; None: chosen per level by GCV.
+        whiten_rcond: the cut of the attention fits' whitening (as ``kf-sites``).
         fit_bias: whether an affine level's fit has an intercept (``"auto"``: where its layer
             has a bias).
         match_rounds: Hungarian, more than two models: most rounds of re-matching.
@@ -127,6 +129,7 @@ class TrustedInterpolation(SiteInterpolation):
         use_scores: bool = True,
         score_normalization: str = "sum",
         ridge: float | None = None,
+        whiten_rcond: float = WHITEN_RCOND,
         fit_bias: bool | str = "auto",
         match_rounds: int = 50,
         n_init: int = 1,
@@ -147,6 +150,7 @@ class TrustedInterpolation(SiteInterpolation):
             use_scores=use_scores,
             score_normalization=score_normalization,
             ridge=ridge,
+            whiten_rcond=whiten_rcond,
             fit_bias=fit_bias,
             match_rounds=match_rounds,
             n_init=n_init,

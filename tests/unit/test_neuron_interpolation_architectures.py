@@ -6,6 +6,7 @@ from torch import nn
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
+from fedfuse.fusion.pieces import whitener, whitening_cutoff
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 
@@ -160,6 +161,31 @@ def test_a_fused_vit_has_balanced_attention_factors(method, generator):
         attention = block.attention
         torch.testing.assert_close(norms(attention.q), norms(attention.k))
         torch.testing.assert_close(norms(attention.v), attention.out.weight.norm(dim=0))
+
+
+def test_the_whitening_cut_drops_the_directions_the_data_barely_excites(generator):
+    basis = torch.linalg.qr(torch.randn(5, 5, generator=generator, dtype=torch.float64))[0]
+    values = torch.tensor([1e-7, 1e-4, 1.0, 2.0, 3.0], dtype=torch.float64)
+    gram = basis @ torch.diag(values) @ basis.T
+    assert whitener(gram)[0].shape[1] == 5  # the default keeps them (1e-8 of the mean)
+    with whitening_cutoff(1e-3):
+        half, inverse = whitener(gram)
+    assert half.shape[1] == 3 and whitener(gram)[0].shape[1] == 5  # the block ends the cut
+    kept = basis[:, 2:]
+    torch.testing.assert_close(half @ half.T, kept @ torch.diag(values[2:]) @ kept.T)
+    torch.testing.assert_close(inverse.T @ half, torch.eye(3, dtype=torch.float64))
+
+
+def test_a_vit_fused_with_the_whitening_cut_keeps_the_function_of_a_permuted_copy(generator):
+    model = _model(VIT, 0, generator)
+    copy = permute_model(model, random_permutations(model, generator))
+    data = torch.randn(96, *VIT.input_shape, generator=generator)
+    method = make_fusion_method("kf-linear", use_scores=False, whiten_rcond=1e-3)
+    fused = method.fuse([model, copy], FusionInputs(data)).model.eval()
+    expected = model(data)
+    assert (fused(data) - expected).abs().max() < 1e-3 * expected.abs().max()
+    with pytest.raises(ValueError, match="whiten_rcond"):
+        make_fusion_method("kf-sites", whiten_rcond=2.0)
 
 
 def test_attention_heads_are_matched_across_models_by_their_maps(generator):

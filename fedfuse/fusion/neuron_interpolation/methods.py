@@ -38,6 +38,7 @@ from fedfuse.fusion.neuron_interpolation.gradient import (
 from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neurons, residual_labels
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one, check_structure
+from fedfuse.fusion.pieces import WHITEN_RCOND
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 from fedfuse.models.capture import LevelIO, LevelStream
@@ -52,7 +53,7 @@ APPROXIMATIONS = ("linear", "gradient")
 VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
     "hungarian": ("match_rounds",),
     "kmeans": ("n_init", "max_iter", "tol", "local_search_swaps", "kmeans_variance"),
-    "linear": ("ridge", "rcond", "fit_bias", "gram_precision"),
+    "linear": ("ridge", "rcond", "whiten_rcond", "fit_bias", "gram_precision"),
     "gradient": (
         "preset",
         "epochs",
@@ -124,6 +125,7 @@ class NeuronInterpolation(FusionMethod):
             ``ridge_scores`` (the criterion along the grid, details' ``ridge_grid``; None where
             undefined).
         rcond: Linear: relative eigenvalue cut-off of the design's basis.
+        whiten_rcond: Linear: the attention fits' whitening cut (``1e-3``: to train further).
         fit_bias: Linear: whether an affine level's fit has an intercept (its design a column of
             ones): ``"auto"`` exactly when its layer has a bias (a bias-free layer is fitted
             without one, not fitted with one that is then dropped), True always (an error names
@@ -175,6 +177,7 @@ class NeuronInterpolation(FusionMethod):
         head_weights: bool | str = "auto",
         ridge: float | None = None,
         rcond: float = 1e-10,
+        whiten_rcond: float = WHITEN_RCOND,
         fit_bias: bool | str = "auto",
         n_init: int = 1,
         max_iter: int = 100,
@@ -212,19 +215,16 @@ class NeuronInterpolation(FusionMethod):
             )
         if (ridge is not None and ridge < 0) or rcond <= 0:
             raise ValueError(f"ridge must be >= 0 and rcond > 0, got {ridge} and {rcond}")
-        self.grouping = grouping
-        self.approximation = approximation
+        self.grouping, self.approximation = grouping, approximation
         self.use_scores = use_scores
         self.score_normalization = score_normalization
         self.fallback_scores = fallback_scores
         self.head_weights = head_weights
         self.ridge = ridge
-        self.rcond = rcond
+        self.rcond, self.whiten_rcond = rcond, whiten_rcond
         check_fit_bias(fit_bias, self.name)
         self.fit_bias = fit_bias
-        self.n_init = n_init
-        self.max_iter = max_iter
-        self.tol = tol
+        self.n_init, self.max_iter, self.tol = n_init, max_iter, tol
         self.local_search_swaps = local_search_swaps
         resolve_variance(kmeans_variance, 1, 1)  # ValueError now, not at the first level
         self.kmeans_variance = kmeans_variance
