@@ -45,13 +45,13 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
      design ``P_c ñ`` measures it, and the left factor is ``W_v`` (:func:`value_weights`).
      ``V``'s bias is 0: each row of ``P_c`` sums to one, so it would only add a constant.
   3. ``out``: ``O`` refitted given ``V``, which recovers what the cut lost.
+  4. ``fc1``: the MLP's pre-activations (inner neurons, equal weights) from ``LN_2(a)``.
+  5. ``fc2``: the block output's groups minus ``a`` from ``gelu(fc_1)``.
 
   The fit sets the products ``W_q^T W_k`` and ``W_o W_v``, not how their factors share the
   scale; once a block's attention is fitted, its factors are balanced channel by channel
   (:func:`~fedfuse.models.symmetry.balance_attention`, the same function), so that a fused
   model can be trained further.
-  4. ``fc1``: the MLP's pre-activations (inner neurons, equal weights) from ``LN_2(a)``.
-  5. ``fc2``: the block output's groups minus ``a`` from ``gelu(fc_1)``.
 """
 
 from __future__ import annotations
