@@ -26,7 +26,6 @@ from torch import nn
 from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked, check_option_bounds
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
-from fedfuse.fusion.pieces import WHITEN_RCOND, whitening_cutoff
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
 from fedfuse.runtime import check_device, release_free_memory
 
@@ -76,10 +75,6 @@ class FusionMethod(ABC):
     needs_affine_levels: ClassVar[bool] = False
     #: allowed ranges of this method's options where they differ from :data:`OPTION_BOUNDS`
     option_bounds: ClassVar[Mapping[str, tuple[float, float]]] = {}
-
-    #: the cut of the whitened attention fits of the closed-form pieces
-    #: (:func:`~fedfuse.fusion.pieces.whitening_cutoff`); an option of the methods that use them
-    whiten_rcond: float = WHITEN_RCOND
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every constructor checks its count options against :meth:`option_range` first."""
@@ -133,8 +128,7 @@ class FusionMethod(ABC):
                 f"{models[0].spec.to_dict()}, not {target.to_dict()}"
             )
         started = time.perf_counter()
-        with whitening_cutoff(self.whiten_rcond):
-            model, details = self._fuse(list(models), inputs, target)
+        model, details = self._fuse(list(models), inputs, target)
         release_free_memory()  # what the fusion freed goes back now, not when the process ends
         seconds = time.perf_counter() - started
         log.info("%s fused %d models in %.2f s", self.name, len(models), seconds)

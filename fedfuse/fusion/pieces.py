@@ -56,11 +56,13 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,7 @@ Rows = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 #: ``group(points, weights, widths, k)``: the fused neuron (or head) of each base one, points
 #: as rows, model by model
 GroupFn = Callable[[torch.Tensor, torch.Tensor, list[int], int], torch.Tensor]
+_Fused = TypeVar("_Fused")
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,18 @@ def whitening_cutoff(rcond: float) -> Iterator[None]:
         yield
     finally:
         _whiten_rcond.reset(token)
+
+
+def uses_whitening_cutoff(fuse: Callable[..., _Fused]) -> Callable[..., _Fused]:
+    """Decorate a fusion method's ``_fuse``: the pieces it fits whiten with the method's own
+    ``whiten_rcond`` (:func:`whitening_cutoff`)."""
+
+    @functools.wraps(fuse)
+    def fuse_with_cutoff(self: Any, *args: Any, **kwargs: Any) -> _Fused:
+        with whitening_cutoff(self.whiten_rcond):
+            return fuse(self, *args, **kwargs)
+
+    return fuse_with_cutoff
 
 
 def whitener(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -532,5 +547,6 @@ __all__ = [
     "set_batchnorm",
     "value_weights",
     "whitener",
+    "uses_whitening_cutoff",
     "whitening_cutoff",
 ]

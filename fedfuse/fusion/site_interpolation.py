@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fedfuse.fusion import pieces
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
 from fedfuse.fusion.blocks.kmeans import resolve_variance, weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, cholesky_upper, ridge_fit
@@ -178,8 +179,7 @@ class SiteInterpolation(FusionMethod):
         resolve_variance(kmeans_variance, 1, 1)  # ValueError now, not at the first level
         self.kmeans_variance = kmeans_variance
         self.max_iter, self.tol = max_iter, tol
-        self.seed = seed
-        self.progress = progress
+        self.seed, self.progress = seed, progress
         self.dp_epsilon = check_dp_options(dp_epsilon, dp_delta, dp_clip, self.name)
         self.dp_delta, self.dp_clip = dp_delta, dp_clip
         self.dp_noise_seed = dp_noise_seed
@@ -246,7 +246,7 @@ class SiteInterpolation(FusionMethod):
         )
         return levels
 
-    # ------------------------------------------------------------------ the algorithm
+    @pieces.uses_whitening_cutoff  # the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
@@ -273,9 +273,9 @@ class SiteInterpolation(FusionMethod):
             self._noise_multiplier = calibrate_noise(self.dp_epsilon, self.dp_delta, rounds)
             details["privacy"] = {"rounds": rounds, "clips": self._clips}
         for index in bar:
-            pieces = linear_pieces(fused.levels[index])
-            assert pieces is not None  # checked by check_architecture
-            for number, piece in enumerate(pieces):
+            level_pieces = linear_pieces(fused.levels[index])
+            assert level_pieces is not None  # checked by check_architecture
+            for number, piece in enumerate(level_pieces):
                 privacy = self._mechanism(models, fused, (index, number), inputs)
                 active = self._fit_round(
                     models,

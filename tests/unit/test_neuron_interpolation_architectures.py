@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion import FusionInputs, make_fusion_method, pieces
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
 from fedfuse.fusion.pieces import whitener, whitening_cutoff
 from fedfuse.models import LeveledModel, build_model, make_spec
@@ -186,6 +186,31 @@ def test_a_vit_fused_with_the_whitening_cut_keeps_the_function_of_a_permuted_cop
     assert (fused(data) - expected).abs().max() < 1e-3 * expected.abs().max()
     with pytest.raises(ValueError, match="whiten_rcond"):
         make_fusion_method("kf-sites", whiten_rcond=2.0)
+
+
+@pytest.mark.parametrize("name", ["kf-linear", "kf-trust"])
+def test_a_methods_whitening_cut_reaches_every_attention_fit_and_ends_with_it(
+    name, generator, monkeypatch
+):
+    """Both families that fit the pieces (fusion-set and site-statistics fits) whiten with the
+    method's own ``whiten_rcond`` during its fusion, and with the default after it."""
+    cuts = []
+    spectrum = pieces.gram_spectrum
+
+    def recording(gram, *, rows, rcond):
+        cuts.append(rcond)
+        return spectrum(gram, rows=rows, rcond=rcond)
+
+    monkeypatch.setattr(pieces, "gram_spectrum", recording)
+    models = [_model(VIT, seed, generator) for seed in (0, 1)]
+    data = torch.randn(48, *VIT.input_shape, generator=generator)
+    labels = torch.arange(48) % VIT.num_classes
+    method = make_fusion_method(name, use_scores=False, whiten_rcond=1e-3)
+    method.fuse(models, FusionInputs(data, labels=labels))
+    assert cuts and set(cuts) == {1e-3}
+    cuts.clear()
+    pieces.whitener(torch.eye(3, dtype=torch.float64))
+    assert cuts == [pieces.WHITEN_RCOND]
 
 
 def test_attention_heads_are_matched_across_models_by_their_maps(generator):

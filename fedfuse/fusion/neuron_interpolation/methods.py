@@ -38,7 +38,7 @@ from fedfuse.fusion.neuron_interpolation.gradient import (
 from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neurons, residual_labels
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one, check_structure
-from fedfuse.fusion.pieces import WHITEN_RCOND
+from fedfuse.fusion.pieces import WHITEN_RCOND, uses_whitening_cutoff
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias, fit_intercept
 from fedfuse.models.capture import LevelIO, LevelStream
@@ -511,7 +511,7 @@ class NeuronInterpolation(FusionMethod):
             captured[number][index] = level
         return columns
 
-    # ------------------------------------------------------------------ the algorithm
+    @uses_whitening_cutoff  # the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
