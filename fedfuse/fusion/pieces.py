@@ -71,7 +71,7 @@ from torch import nn
 from fedfuse.fusion.blocks.least_squares import gram_spectrum
 from fedfuse.models.affine import AffineLevel, affine_view, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
-from fedfuse.models.symmetry import balance_attention
+from fedfuse.models.symmetry import balance_query_key, balance_value_output
 from fedfuse.models.vit import Attention, EncoderBlock, PatchEmbedding
 
 Rows = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -429,7 +429,7 @@ def _load_logits(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None
             norm.bias.zero_()
     AffineLevel([], level.attention.q).set_weights(w[:, :width])
     AffineLevel([], level.attention.k).set_weights(w[:, width:])
-    balance_attention(level.attention)
+    balance_query_key(level.attention)  # the values and output are the next pieces' to fit
 
 
 def _head_values(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -454,7 +454,7 @@ def _head_outputs(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _load_output(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
     AffineLevel([], level.attention.out).set_weights(w)
-    balance_attention(level.attention)  # the values were fitted by the piece before
+    balance_value_output(level.attention)  # the values were fitted by the piece before
 
 
 def _hidden(level: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,18 @@ def balance_attention(attention: Attention) -> None:
     (a bias counts with its row), the balance gradient flow keeps in a trained network; a
     channel with a zero factor is left alone.
     """
+    balance_query_key(attention)
+    balance_value_output(attention)
+
+
+def balance_query_key(attention: Attention) -> None:
+    """:func:`balance_attention`'s query/key half: each logit's two factors, equal norms."""
     _balance(attention.q, attention.k.weight, attention.k.bias, dim=0)
+
+
+def balance_value_output(attention: Attention) -> None:
+    """:func:`balance_attention`'s value/output half: value channel ``j`` and the output's
+    column ``j``, equal norms."""
     _balance(attention.v, attention.out.weight, None, dim=1)
 
 
