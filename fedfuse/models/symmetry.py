@@ -147,7 +147,6 @@ def random_permutations(
     return result
 
 
-@torch.no_grad()
 def balance_attention(attention: Attention) -> None:
     """Give each query/key channel pair and each value/output channel pair equal norms, in place.
 
@@ -175,6 +174,7 @@ def balance_value_output(attention: Attention) -> None:
     _balance(attention.v, attention.out.weight, None, dim=1)
 
 
+@torch.no_grad()
 def _balance(
     first: nn.Linear, second: torch.Tensor, second_bias: torch.Tensor | None, dim: int
 ) -> None:

@@ -16,6 +16,8 @@ from fedfuse.models.capture import LevelStream, capture_levels
 from fedfuse.models.resnet import BasicBlock
 from fedfuse.models.symmetry import (
     balance_attention,
+    balance_query_key,
+    balance_value_output,
     feature_spaces,
     map_state,
     permute_model,
@@ -182,7 +184,9 @@ def test_balancing_attention_keeps_the_function_and_equalises_each_channel_pair(
         attention.out.weight.div_(scales)
     x = torch.randn(8, *spec.input_shape, generator=generator)
     before = model(x)
-    balance_attention(attention)
+    balance_query_key(attention)  # each half on its own, with the parameters requiring grad
+    balance_value_output(attention)
+    balance_attention(attention)  # both again: a balanced pair stays as it is
     torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-4)
 
     def norms(layer):
