@@ -17,13 +17,14 @@ weighted per class by each model's share of that class's training samples (``hea
 Modules: :mod:`.methods` (:class:`NeuronInterpolation`: the options and the level-by-level
 loop), :mod:`.variants` (the registered ``hf-*``/``kf-*`` methods), :mod:`.grouping` (step 1),
 :mod:`.linear` and :mod:`.gradient` (step 2), :mod:`.costs` (a fitted level's Theorem 1 cost),
-:mod:`.structure` (which base level each fused level fits), :mod:`.options` (variant
-constructors).
+:mod:`.structure` (which base level each fused level fits), :mod:`.options` (the variants'
+choices and constructors), :mod:`.prior` (the base weights a Linear fit shrinks towards).
 """
 
 from fedfuse.fusion.neuron_interpolation.gradient import GRADIENT_PRESETS, GradientPreset
 from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS
-from fedfuse.fusion.neuron_interpolation.methods import APPROXIMATIONS, NeuronInterpolation
+from fedfuse.fusion.neuron_interpolation.methods import NeuronInterpolation
+from fedfuse.fusion.neuron_interpolation.options import APPROXIMATIONS
 from fedfuse.fusion.neuron_interpolation.variants import HFGradient, HFLinear, KFGradient, KFLinear
 
 __all__ = [

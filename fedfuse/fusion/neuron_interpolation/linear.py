@@ -4,14 +4,16 @@ The base neurons' outputs are projected onto the image of the fused level's desi
 from the fused levels below, as design rows); the neurons are grouped there, and the level's
 weights are the least-squares (optionally ridge) fit of the groups' weighted centres. The ridge
 is fixed, or chosen per level from the fusion set by leave-one-out (kernel route) or generalised
-cross-validation (gram route). The design has a column of ones (an intercept, the bias) exactly
-as ``fit_bias`` says (:func:`~fedfuse.models.affine.fit_intercept`; by default when the layer
-has a bias).
+cross-validation (gram route). On the kernel route the ridge can shrink towards the base models'
+own weights instead of towards zero (:mod:`.prior`). The design has a column of ones (an
+intercept, the bias) exactly as ``fit_bias`` says (:func:`~fedfuse.models.affine.fit_intercept`;
+by default when the layer has a bias).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -21,9 +23,11 @@ from torch import nn
 from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.kmeans import scatter_around_means, weighted_centers
 from fedfuse.fusion.blocks.least_squares import (
+    RIDGE_GRID,
     GramSpectrum,
     KernelSpectrum,
     LeastSquaresBasis,
+    RidgeChoice,
     accumulate_normal_equations,
     gram_basis,
     gram_spectrum,
@@ -52,13 +56,19 @@ def fit_linear(
     name: str,
     fit_bias: bool | str = "auto",
     columns: torch.Tensor | None = None,
+    prior_weights: Callable[..., torch.Tensor | None] | None = None,
+    ridge_prior: str = "auto",
 ) -> dict[str, Any]:
     """Fit the affine ``level`` (inputs ``x``) in closed form to the weighted centres of the
     base ``outputs``' groups (``labels``, or ``group`` them in the design's basis); return the
     level's details (costs, rank, ridge and how it was chosen, route, intercept) and the
     ``labels``; ``fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`. ``columns``, when
     given, holds the vector ``outputs`` side by side (they are its column blocks), which spares
-    concatenating them again."""
+    concatenating them again. ``prior_weights(intercept, weights, labels, k)``, when given, are
+    the groups' centres of the base neurons' own weights on this level's inputs
+    (:func:`~.prior.aligned_weight_centres`): on the kernel route the fit shrinks towards them
+    where ``ridge_prior`` says (``"aligned"``; ``"auto"``: where that has the lower
+    leave-one-out error; ``"zero"``: never)."""
     view = affine_view(level)
     if view is None:
         raise ValueError(
@@ -92,7 +102,7 @@ def fit_linear(
         del xtz
     else:
         design = view.design(x)
-        if auto:
+        if auto or (prior_weights is not None and ridge_prior != "zero"):
             basis = kernel_spectrum(design, rcond=rcond)
         else:
             basis = kernel_basis(design, rcond=rcond, ridge=ridge)
@@ -114,11 +124,21 @@ def fit_linear(
         # each fused neuron's error counts with its cluster's importance, as in Theorem 1;
         # GCV needs the unprojected targets' norms (with the projected ones it picks 0)
         target_norms = None if basis.uses_kernel else _target_norms(outputs, w64, labels, k, chunk)
-        selected = basis.select_ridge(centers.T, target_norms=target_norms, column_weights=mass)
+        grid = RIDGE_GRID if auto else (float(ridge),)
+        selected = basis.select_ridge(
+            centers.T, target_norms=target_norms, column_weights=mass, grid=grid
+        )
         fitted = basis.weights(centers.T, selected.ridge)
-        choice = {
+        choice: dict[str, Any] = {}
+        if isinstance(basis, KernelSpectrum) and prior_weights and ridge_prior != "zero":
+            towards = prior_weights(view.bias, w64, labels, k)
+            prior, selected, fitted = _towards_prior(
+                basis, towards, centers, mass, grid, ridge_prior, (selected, fitted)
+            )
+            choice["prior"] = prior
+        choice |= {
             "ridge": selected.ridge,
-            "ridge_criterion": selected.criterion,
+            "ridge_criterion": selected.criterion if auto else "fixed",
             # 6 digits; None where undefined (GCV with as many parameters as rows)
             "ridge_scores": [
                 float(f"{v:.6g}") if math.isfinite(v) else None for v in selected.scores
@@ -144,6 +164,27 @@ def fit_linear(
         "route": "kernel" if basis.uses_kernel else "gram",
         "labels": labels,
     }
+
+
+def _towards_prior(
+    basis: KernelSpectrum,
+    prior: torch.Tensor | None,
+    centers: torch.Tensor,
+    mass: torch.Tensor,
+    grid: tuple[float, ...],
+    ridge_prior: str,
+    towards_zero: tuple[RidgeChoice, torch.Tensor],
+) -> tuple[str, RidgeChoice, torch.Tensor]:
+    """The kernel fit shrunk towards ``prior`` (``W0``, ``(k, p)``: the targets less ``X W0``,
+    fitted, plus ``W0``), kept where ``ridge_prior`` says: which prior, the ridge choice and the
+    weights ``(p, k)``; the fit towards zero without a prior."""
+    if prior is None:
+        return "zero", *towards_zero
+    shifted = centers.T - basis.design @ prior.T
+    selected = basis.select_ridge(shifted, column_weights=mass, grid=grid)
+    if ridge_prior == "auto" and min(selected.scores) >= min(towards_zero[0].scores):
+        return "zero", *towards_zero
+    return "aligned", selected, prior.T + basis.weights(shifted, selected.ridge)
 
 
 @torch.no_grad()

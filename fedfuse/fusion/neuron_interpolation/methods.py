@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID
 from fedfuse.fusion.inputs import head_weights as resolve_head_weights
 from fedfuse.fusion.inputs import resolve_scores
+from fedfuse.fusion.neuron_interpolation import prior
 from fedfuse.fusion.neuron_interpolation.blocks import (
     check_block_levels,
     fit_block_linear,
@@ -37,6 +40,7 @@ from fedfuse.fusion.neuron_interpolation.gradient import (
 )
 from fedfuse.fusion.neuron_interpolation.grouping import GROUPINGS, group_neurons, residual_labels
 from fedfuse.fusion.neuron_interpolation.linear import fit_linear
+from fedfuse.fusion.neuron_interpolation.options import APPROXIMATIONS, STARTS
 from fedfuse.fusion.neuron_interpolation.structure import check_one_to_one, check_structure
 from fedfuse.fusion.pieces import WHITEN_RCOND, uses_whitening_cutoff
 from fedfuse.models import LeveledModel, ModelSpec, build_model
@@ -46,31 +50,6 @@ from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import release_free_memory, resolve_device
 
 log = logging.getLogger(__name__)
-
-APPROXIMATIONS = ("linear", "gradient")
-
-#: the options only one grouping or approximation reads (a variant takes the others' too)
-VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
-    "hungarian": ("match_rounds",),
-    "kmeans": ("n_init", "max_iter", "tol", "local_search_swaps", "kmeans_variance"),
-    "linear": ("ridge", "rcond", "whiten_rcond", "fit_bias", "gram_precision"),
-    "gradient": (
-        "preset",
-        "epochs",
-        "last_epochs",
-        "lr",
-        "last_lr",
-        "epsilon",
-        "batch_size",
-        "patience",
-        "weighted_loss",
-        "start",
-    ),
-}
-
-
-#: where a Gradient variant's descent starts, per level
-STARTS = ("base", "closed-form")
 
 
 @dataclass
@@ -90,6 +69,8 @@ class _LevelFit:
     #: every model's outputs side by side (``samples x sum(widths)``; ``outputs`` are its
     #: column blocks) when the level is a linear one of many models, else None
     columns: torch.Tensor | None = None
+    #: the groups' centres of the base weights on the level's inputs (:mod:`.prior`), on demand
+    prior_weights: Callable[..., torch.Tensor | None] | None = None
 
 
 class NeuronInterpolation(FusionMethod):
@@ -124,6 +105,10 @@ class NeuronInterpolation(FusionMethod):
             ``ridge_criterion`` (``"loo"``, ``"gcv"`` or ``"fixed"``) and, when chosen,
             ``ridge_scores`` (the criterion along the grid, details' ``ridge_grid``; None where
             undefined).
+        ridge_prior: Linear, where a level has more inputs than fusion rows: what the ridge
+            shrinks towards, ``"zero"`` (the paper's fit) or ``"aligned"``, the base models' own
+            weights on the fused inputs (plain stacks; :mod:`.prior`); ``"auto"`` (default): per
+            level, the one of lower leave-one-out error on the fusion set.
         rcond: Linear: relative eigenvalue cut-off of the design's basis.
         whiten_rcond: Linear: the attention fits' whitening cut (``1e-3``: to train further).
         fit_bias: Linear: whether an affine level's fit has an intercept (its design a column of
@@ -176,6 +161,7 @@ class NeuronInterpolation(FusionMethod):
         fallback_scores: str = "uniform",
         head_weights: bool | str = "auto",
         ridge: float | None = None,
+        ridge_prior: str = "auto",
         rcond: float = 1e-10,
         whiten_rcond: float = WHITEN_RCOND,
         fit_bias: bool | str = "auto",
@@ -221,6 +207,7 @@ class NeuronInterpolation(FusionMethod):
         self.fallback_scores = fallback_scores
         self.head_weights = head_weights
         self.ridge = ridge
+        self.ridge_prior = prior.check_ridge_prior(ridge_prior)
         self.rcond, self.whiten_rcond = rcond, whiten_rcond
         check_fit_bias(fit_bias, self.name)
         self.fit_bias = fit_bias
@@ -392,6 +379,8 @@ class NeuronInterpolation(FusionMethod):
                 name=self.name,
                 fit_bias=self.fit_bias,
                 columns=fit.columns,
+                prior_weights=fit.prior_weights,
+                ridge_prior=self.ridge_prior,
             )
         if self.approximation == "gradient":
             start = {key: info[key] for key in ("representation_cost",) if key in info}
@@ -559,6 +548,8 @@ class NeuronInterpolation(FusionMethod):
             details["gradient"] = asdict(self.gradient_settings())
         x = data.to(device)
         previous: tuple[torch.Tensor, list[int]] | None = None
+        plain = self.ridge_prior != "zero" and prior.has_plain_levels(fused)
+        below: tuple[torch.Tensor, list[int], int] | None = None  # the last level's groups
         bar = tqdm(range(fused.num_levels), desc=self.name, disable=not self.progress, leave=False)
         for index in bar:
             level = fused.levels[index]
@@ -573,6 +564,9 @@ class NeuronInterpolation(FusionMethod):
             is_head = index == neuron_levels[-1]
             k = fused.level_width(index)
             fit = _LevelFit(index, level, x, outputs, widths, k, captured, mappings, columns)
+            if plain:
+                bases = [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)]
+                fit.prior_weights = partial(prior.aligned_weight_centres, bases, below, level)
             if is_head:
                 info = self._fit_head(fit, models, heads, fused, inputs, device)
             else:
@@ -581,7 +575,8 @@ class NeuronInterpolation(FusionMethod):
                 if fused.is_residual(index):
                     labels = self._residual_labels(x, outputs, weights, widths, k)
                 info = self._fit_level(fit, models, weights, labels, is_head=False)
-            info.pop("labels", None)
+            grouped = info.pop("labels", None)
+            below = None if grouped is None else (grouped, widths, k)
             for capture in captured:  # this level's base outputs are not needed again
                 del capture[index]
             previous = None if columns is None else (columns, widths)

@@ -1,4 +1,5 @@
-"""Constructors of a method's fixed variants, each option and its default written once.
+"""The neuron-interpolation variants' choices, and the constructors of its fixed variants,
+each option and its default written once.
 
 A registered variant (``HFLinear``, ``KFSites``, ...) is its base class with the leading
 positional choices fixed (grouping, approximation) and only the keyword options that apply to
@@ -15,6 +16,32 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 C = TypeVar("C", bound=type)
+
+#: how a level is fitted to its groups' targets
+APPROXIMATIONS = ("linear", "gradient")
+
+#: the options only one grouping or approximation reads (a variant takes the others' too)
+VARIANT_OPTIONS: dict[str, tuple[str, ...]] = {
+    "hungarian": ("match_rounds",),
+    "kmeans": ("n_init", "max_iter", "tol", "local_search_swaps", "kmeans_variance"),
+    "linear": ("ridge", "ridge_prior", "rcond", "whiten_rcond", "fit_bias", "gram_precision"),
+    "gradient": (
+        "preset",
+        "epochs",
+        "last_epochs",
+        "lr",
+        "last_lr",
+        "epsilon",
+        "batch_size",
+        "patience",
+        "weighted_loss",
+        "start",
+    ),
+}
+
+
+#: where a Gradient variant's descent starts, per level
+STARTS = ("base", "closed-form")
 
 
 def fixed_variant(*fixed: Any, without: Iterable[str] = ()) -> Callable[[C], C]:

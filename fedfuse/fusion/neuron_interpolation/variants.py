@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedfuse.fusion.base import register_fusion_method
-from fedfuse.fusion.neuron_interpolation.methods import VARIANT_OPTIONS, NeuronInterpolation
-from fedfuse.fusion.neuron_interpolation.options import fixed_variant
+from fedfuse.fusion.neuron_interpolation.methods import NeuronInterpolation
+from fedfuse.fusion.neuron_interpolation.options import VARIANT_OPTIONS, fixed_variant
 
 
 def _variant(grouping: str, approximation: str) -> Callable[[type], type]:
