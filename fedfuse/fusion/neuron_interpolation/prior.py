@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fedfuse.fusion.blocks.kmeans import weighted_centers
 from fedfuse.fusion.neuron_interpolation.blocks import is_block_level
 from fedfuse.models.affine import affine_view
 
@@ -68,7 +69,7 @@ def aligned_weight_centres(
         return None
     fan_in = fused.layer.weight[0].numel()
     device = weights.device
-    centres = torch.zeros(k, fan_in + int(intercept), dtype=torch.float64, device=device)
+    sums = torch.zeros(k, fan_in + int(intercept), dtype=torch.float64, device=device)
     mass = torch.zeros(k, dtype=torch.float64, device=device)
     neuron = channel = 0
     for number, level in enumerate(base_levels):
@@ -95,10 +96,10 @@ def aligned_weight_centres(
             weight = torch.cat([weight, column[:, None]], 1)
         rows = slice(neuron, neuron + len(weight))
         neuron += len(weight)
-        share = weights[rows].double()
-        centres.index_add_(0, labels[rows], share[:, None] * weight)
-        mass.index_add_(0, labels[rows], share)
-    return centres / mass.clamp_min(torch.finfo(torch.float64).tiny)[:, None]
+        centre, share = weighted_centers(weight, weights[rows], labels[rows], k)
+        sums += centre * share[:, None]
+        mass += share
+    return sums / mass.clamp_min(torch.finfo(torch.float64).tiny)[:, None]
 
 
 def has_plain_levels(model: nn.Module) -> bool:
