@@ -306,8 +306,11 @@ def test_the_readme_table_is_what_the_main_command_prints(tmp_path):
     assert [r[0] for r in printed] == [r[0] for r in expected]
     for got, want in zip(printed, expected, strict=True):
         # the same seeds train bit-different sites on CPUs of other vector units: between two
-        # machines of this kind the ensemble moved 0.62 points and fedavg 1.75 (2026-11-26)
-        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 2.0, (got, want)
+        # machines of this kind the ensemble moved 0.62 points and fedavg 1.75 (2026-11-26); an
+        # AMD EPYC without AVX-512 moved the ensemble 2.37 with its loss within 0.001
+        # (2026-11-27: two 5-class models' near-ties on each other's classes), so the loss is
+        # the tight check and the accuracy a coarse one
+        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 3.0, (got, want)
         assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
         assert got[3:] == want[3:], (got, want)
     assert shown.strip().splitlines()[-1] in completed.stdout  # the privacy pointer
