@@ -40,6 +40,15 @@ def _as_index(indices: IndexLike, n: int, name: str) -> torch.Tensor:
     return idx
 
 
+def _row_major_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a C-ordered tensor of ``shape`` (what ``torch.empty(shape)`` has)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True, eq=False)
 class ImageDataset(Dataset):
     """Images kept as uint8 (N, C, H, W) with int64 labels; normalised to float on access.
@@ -78,6 +87,12 @@ class ImageDataset(Dataset):
             )
         if x.shape[0] != y.shape[0]:
             raise ValueError(f"{who}: {x.shape[0]} images but {y.shape[0]} labels")
+        if x.stride() != _row_major_strides(x.shape):
+            # NumPy gives a one-channel axis any stride, which torch reads as channels-last:
+            # every batch cut from it then runs the networks in NHWC, and oneDNN's 1x1
+            # strided convolution backward in NHWC corrupts the heap on one thread (torch
+            # 2.14.1, AVX2). Images are kept in plain NCHW order.
+            object.__setattr__(self, "images", x.clone(memory_format=torch.contiguous_format))
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int):
             raise TypeError(f"{who}: num_classes must be int, found {self.num_classes!r}")
         if self.num_classes < 1:

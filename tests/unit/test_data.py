@@ -12,6 +12,8 @@ import io
 import os
 import pickle
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -388,6 +390,41 @@ def test_digits_offline_stratified_split() -> None:
     again = load_dataset("digits", "test")
     assert torch.equal(again.images, test.images) and torch.equal(again.labels, test.labels)
     assert train.mean == test.mean and abs(train.inputs().mean().item()) < 1e-5
+
+
+ONE_THREAD_RESNET_ON_DIGITS = """
+import torch
+from fedfuse.data import load_dataset
+from fedfuse.models import build_model, make_spec
+torch.set_num_threads(1)
+data = load_dataset("digits", "train").subset(range(240))
+model = build_model(make_spec("resnet", (1, 8, 8), 10, depth=34, width_multiplier=1 / 16))
+for _ in range(3):
+    for start in (0, 128):
+        x, y = data.inputs(range(start, min(start + 128, 240))), data.labels[start : start + 128]
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+print("trained")
+"""
+
+
+def test_images_are_kept_in_plain_nchw_order_whatever_numpy_gave() -> None:
+    # NumPy's fancy indexing gives the one-channel axis stride 1: torch reads that as NHWC.
+    sliced = torch.from_numpy(np.zeros((10, 8, 8), np.uint8)[:, None][np.array([1, 3, 5])])
+    assert sliced.stride() == (64, 1, 8, 1)
+    data = ImageDataset(sliced, torch.zeros(3, dtype=torch.int64), num_classes=1, mean=(0.5,),
+                        std=(0.25,))  # fmt: skip
+    assert data.images.stride() == data.inputs().stride() == (64, 64, 8, 1)
+    digits = load_dataset("digits", "train")
+    assert digits.inputs(range(5)).stride() == torch.empty(5, 1, 8, 8).stride()
+
+
+def test_a_resnet_trains_on_digits_on_one_thread() -> None:
+    """Channels-last batches crashed torch 2.14.1's one-thread backward (a corrupted heap) in
+    the ResNet's 1x1 strided shortcut; in a child process, since a crash takes its process."""
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_THREAD_RESNET_ON_DIGITS], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "trained", done.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- registry
