@@ -28,6 +28,10 @@ _spec.loader.exec_module(cases)
 
 EXPECTED = json.loads(cases.FIXTURE.read_text())["cases"]
 ATOL, RTOL = 1e-5, 1e-4
+#: DENSE trains a generator against the models, then a student on its samples: over those steps
+#: the CPU's own rounding (AVX2 against AVX-512 kernels) grows to 1.4e-4 in the logits (seen on
+#: an AMD EPYC without AVX-512), still two orders below what any change of the method moves.
+LOOSER = {"dense": (1e-3, 1e-3)}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +43,13 @@ def setup():
     torch.set_num_threads(threads)
 
 
-def _close(actual: list, expected: list, what: str) -> None:
+def _close(actual: list, expected: list, what: str, method: str = "") -> None:
+    atol, rtol = LOOSER.get(method, (ATOL, RTOL))
     torch.testing.assert_close(
         torch.tensor(actual, dtype=torch.float64),
         torch.tensor(expected, dtype=torch.float64),
-        atol=ATOL,
-        rtol=RTOL,
+        atol=atol,
+        rtol=rtol,
         msg=lambda m: f"{what}: {m}",
     )
 
@@ -62,7 +67,7 @@ def test_fused_logits_are_unchanged(setup, case):
     expected = EXPECTED[case.key]
     actual = cases.run_case(setup, case)
     assert actual["widths"] == expected["widths"]
-    _close(actual["logits"], expected["logits"], case.key)
+    _close(actual["logits"], expected["logits"], case.key, case.method)
 
 
 @pytest.mark.parametrize("name", sorted(cases.TRAIN_CASES))
