@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -49,10 +51,37 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def limit_threads(num_threads: int | None) -> None:
-    """Cap torch's intra-op threads (several simulated clients share a few cores)."""
+def row_major(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if its strides are plain row-major (NCHW for images), else a row-major copy.
+
+    ``Tensor.is_contiguous()`` is not enough: it ignores the stride of a size-1 axis, which
+    NumPy slicing leaves at any value, and PyTorch then reads a one-channel batch as
+    channels-last and runs every convolution in NHWC. PyTorch 2.14.1's oneDNN backward of a 1x1
+    stride-2 convolution on channels-last batches with 3-4 input channels corrupts the heap on
+    one CPU thread (``tests/unit/test_data.py``), so data entering fedfuse is kept NCHW.
+    """
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    if x.stride() == tuple(reversed(strides)):
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@contextmanager
+def capped_threads(num_threads: int | None) -> Iterator[None]:
+    """Cap torch's intra-op threads to ``num_threads`` for the block (several simulated sites
+    share a few cores), then restore the count found: a site run in the caller's process (a
+    test, ``fedfuse compare``, a library user) leaves the process as it was. None or 0: no cap."""
+    found = torch.get_num_threads()
     if num_threads is not None and num_threads > 0:
         torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != found:
+            torch.set_num_threads(found)
 
 
 def configure_logging(level: int = logging.INFO) -> None:

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from fedfuse.runtime import row_major
+
 __all__ = ["ImageDataset"]
 
 IndexLike = Sequence[int] | np.ndarray | torch.Tensor
@@ -38,15 +40,6 @@ def _as_index(indices: IndexLike, n: int, name: str) -> torch.Tensor:
             f"{name}: index out of range [{-n}, {n}): min {int(idx.min())}, max {int(idx.max())}"
         )
     return idx
-
-
-def _row_major_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a C-ordered tensor of ``shape`` (what ``torch.empty(shape)`` has)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,12 +80,7 @@ class ImageDataset(Dataset):
             )
         if x.shape[0] != y.shape[0]:
             raise ValueError(f"{who}: {x.shape[0]} images but {y.shape[0]} labels")
-        if x.stride() != _row_major_strides(x.shape):
-            # NumPy gives a one-channel axis any stride, which torch reads as channels-last:
-            # every batch cut from it then runs the networks in NHWC, and oneDNN's 1x1
-            # strided convolution backward in NHWC corrupts the heap on one thread (torch
-            # 2.14.1, AVX2). Images are kept in plain NCHW order.
-            object.__setattr__(self, "images", x.clone(memory_format=torch.contiguous_format))
+        object.__setattr__(self, "images", row_major(x))  # NumPy's slices read as NHWC
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int):
             raise TypeError(f"{who}: num_classes must be int, found {self.num_classes!r}")
         if self.num_classes < 1:

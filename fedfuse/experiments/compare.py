@@ -216,27 +216,23 @@ def _run_library(job: Job, scenario: Scenario) -> Outcome:
     settings = job.settings
     send_grams = needs_grams([job.method])  # what the server's train message would say
     send_fisher = fisher_kinds([job.method])
-    threads = torch.get_num_threads()
     initial = (  # the server's common start in shared mode, as strategies/server_app.py sends it
         build_model(scenario.model_spec(), seed=initial_seed(settings)).state_dict()
         if settings.init == "shared"
         else None
     )
-    try:
-        uploads = [  # the sites' own code path, as the ClientApp runs it
-            train_site(
-                settings,
-                pid,
-                job.sites,
-                initial,
-                send_grams=send_grams,
-                send_fisher=send_fisher,
-                cache=job.cache.site(settings, pid, job.sites),
-            )
-            for pid in tqdm(range(job.sites), desc=f"sites ({job.id})", disable=None)
-        ]
-    finally:
-        torch.set_num_threads(threads)  # train_site caps threads as a Flower client would
+    uploads = [  # the sites' own code path, as the ClientApp runs it
+        train_site(
+            settings,
+            pid,
+            job.sites,
+            initial,
+            send_grams=send_grams,
+            send_fisher=send_fisher,
+            cache=job.cache.site(settings, pid, job.sites),
+        )
+        for pid in tqdm(range(job.sites), desc=f"sites ({job.id})", disable=None)
+    ]
     models = [upload.model for upload in uploads]
     evaluation = _site_set_evaluation(job, scenario, models, uploads)
     reused = _zero_shot_model(job) if job.finetunes else None
@@ -343,11 +339,7 @@ def _finetune_library(
             **s.finetune_kwargs(),
         )
     else:
-        threads = torch.get_num_threads()
-        try:
-            tuned = [finetune_site(s, fused, pid, job.sites) for pid in range(job.sites)]
-        finally:
-            torch.set_num_threads(threads)
+        tuned = [finetune_site(s, fused, pid, job.sites) for pid in range(job.sites)]
         weights = [t.num_examples for t in tuned]
         model = average_models([t.model for t in tuned], weights, like=fused)
         details = {

@@ -14,11 +14,12 @@ where or how it is kept.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -37,12 +38,30 @@ from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
 from fedfuse.models.importance import Scores, importance_scores
-from fedfuse.runtime import limit_threads, seed_everything
+from fedfuse.runtime import capped_threads, seed_everything
 from fedfuse.settings.run import RunSettings, client_seed, finetune_seed
 from fedfuse.training.finetune import finetune
 from fedfuse.training.loop import train
 
 log = logging.getLogger(__name__)
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _on_site_threads(
+    entry: Callable[Concatenate[RunSettings, _P], _R],
+) -> Callable[Concatenate[RunSettings, _P], _R]:
+    """Run a site's entry point with torch capped to the run's ``threads`` (each simulated
+    site's share of the cores), restoring the caller's thread count after it."""
+
+    @functools.wraps(entry)
+    def on_site_threads(settings: RunSettings, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with capped_threads(settings.threads):
+            return entry(settings, *args, **kwargs)
+
+    return on_site_threads
 
 
 @dataclass
@@ -68,6 +87,7 @@ class TrainedSiteCache(Protocol):
         """Keep ``site`` (replacing what was kept)."""
 
 
+@_on_site_threads
 def train_site(
     settings: RunSettings,
     partition_id: int,
@@ -106,7 +126,6 @@ def train_site(
         SiteRefusal: the site's data breaks ``contract``, or the run asks for more than
             ``policy`` allows (nothing was trained), or a Gram breaks ``policy``.
     """
-    limit_threads(settings.threads)
     seed = client_seed(settings, partition_id)
     seed_everything(seed)
     clock = _PhaseClock()
@@ -264,6 +283,7 @@ def load_site_data(
     return Scenario(settings, num_partitions).client_data(partition_id)
 
 
+@_on_site_threads
 def answer_statistics_request(
     settings: RunSettings,
     request: StatisticsRequest,
@@ -278,7 +298,6 @@ def answer_statistics_request(
     its own training data (:func:`~fedfuse.fusion.site_statistics.site_statistics`). A
     statistic that breaks the site's ``policy`` is refused
     (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
-    limit_threads(settings.threads)
     data = load_site_data(settings, partition_id, num_partitions, data_path)
     samples = min(len(data), request.max_samples or len(data))
     what = f"the statistics of level {request.level} piece {request.piece}"
@@ -303,6 +322,7 @@ def answer_statistics_request(
     return statistics
 
 
+@_on_site_threads
 def answer_sum_request(
     settings: RunSettings,
     summed: SummedRequest,
@@ -321,7 +341,6 @@ def answer_sum_request(
     statistic that breaks the site's ``policy`` is refused, as in a statistics round."""
     request = summed.request
     if sources is None:
-        limit_threads(settings.threads)
         data = load_site_data(settings, partition_id, num_partitions, data_path)
         if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
             raise ValueError(
@@ -351,6 +370,7 @@ class SiteFinetune:
     details: dict[str, Any]
 
 
+@_on_site_threads
 def finetune_site(
     settings: RunSettings,
     model: LeveledModel,
@@ -362,7 +382,6 @@ def finetune_site(
     """The fine-tuning round of a site: a copy of the fused ``model`` trained on the site's own
     data for ``finetune-epochs`` (:func:`fedfuse.training.finetune.finetune` with the run's
     settings and the site's own seed); ``model`` is left as it was."""
-    limit_threads(settings.threads)
     data = load_site_data(settings, partition_id, num_partitions, data_path)
     if tuple(data.input_shape) != tuple(model.spec.input_shape):
         raise ValueError(

@@ -30,6 +30,7 @@ from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.io.validation import validate_scores
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.importance import Scores, importance_scores, normalize_scores, uniform_scores
+from fedfuse.runtime import row_major
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,10 @@ class FusionInputs:
     grams: Sequence[dict[int, torch.Tensor]] | None = None
     fisher: Sequence[dict[str, torch.Tensor]] | None = None
     sites: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, torch.Tensor):  # NCHW batches whatever order the caller's has
+            self.data = row_major(self.data)
 
 
 #: every field of :class:`FusionInputs`

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from fedfuse.data.augmentation import random_crop_flip
 from fedfuse.models.capture import predict
-from fedfuse.runtime import resolve_device
+from fedfuse.runtime import resolve_device, row_major
 from fedfuse.training.loop import OPTIMIZERS, make_optimizer, make_scheduler
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def finetune(
         epoch, and the plain cross-entropy and accuracy on ``(data, labels)`` before and after.
     """
     _check(data, labels, epochs, lr, min_lr, label_smoothing, optimizer, batch_size, augment)
+    data = row_major(data)  # batches in NCHW whatever order the caller's tensor has
     if restart_epochs < 0:
         raise ValueError(f"{description}: restart_epochs must be >= 0, got {restart_epochs}")
     started = time.perf_counter()

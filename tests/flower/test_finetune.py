@@ -273,6 +273,20 @@ def test_the_site_round_averages_the_good_sites_and_names_the_bad(task_identity)
         torch.testing.assert_close(merged.state_dict()[name], value, rtol=1e-6, atol=1e-7)
 
 
+def test_a_site_run_in_the_callers_process_gives_its_threads_back():
+    # a site caps torch to its share of the cores; run in-process (a test, fedfuse compare, a
+    # library user) it must not leave the caller on that share: a process left on one thread
+    # once ran every later test there (and met a one-thread oneDNN bug, see test_data.py)
+    fused = build_model(Scenario(SETTINGS, 2).model_spec(), seed=5)
+    found = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        finetune_site(digits_settings(threads=1, finetune_epochs=1), fused, 0, 2)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(found)
+
+
 def test_a_round_nobody_answers_fails_naming_every_site(task_identity):
     fused = build_model(Scenario(SETTINGS, 2).model_spec(), seed=5)
     round_ = SiteFinetuneRound(_SitesGrid(), [13], ["client 0 (node 13)"], [0], [1.0], timeout=30)

@@ -418,6 +418,18 @@ def test_images_are_kept_in_plain_nchw_order_whatever_numpy_gave() -> None:
     assert digits.inputs(range(5)).stride() == torch.empty(5, 1, 8, 8).stride()
 
 
+def test_a_library_users_channels_last_tensors_are_used_in_nchw_order() -> None:
+    # the library's other doors for data a user made: the fusion set and fine-tuning data
+    from fedfuse.fusion import FusionInputs
+    from fedfuse.runtime import row_major
+
+    nhwc = torch.randn(6, 4, 5, 5).to(memory_format=torch.channels_last)
+    inputs = FusionInputs(data=nhwc)
+    assert inputs.data.stride() == (100, 25, 5, 1) and torch.equal(inputs.data, nhwc)
+    plain = torch.randn(6, 4, 5, 5)
+    assert row_major(plain) is plain and FusionInputs(data=plain).data is plain
+
+
 def test_a_resnet_trains_on_digits_on_one_thread() -> None:
     """Channels-last batches crashed torch 2.14.1's one-thread backward (a corrupted heap) in
     the ResNet's 1x1 strided shortcut; in a child process, since a crash takes its process."""
