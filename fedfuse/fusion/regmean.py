@@ -29,8 +29,10 @@ weight averaging does, and deeper levels see features no client produced. It is 
 (Gram-weighted) averaging baseline in that case, though empirically a much better one than
 plain weight averaging (4 IID Fashion-MNIST MLP clients, independent init: 0.76 test accuracy
 against 0.37 for weight averaging and 0.79 for the ensemble; its logits were 0.57 (relative)
-from the clients' mean logits, weight averaging's 0.99). Align the models first to merge
-matching neurons.
+from the clients' mean logits, weight averaging's 0.99). ``align="activations"`` aligns them
+first: every feature space permuted onto one order by matching activations on the fusion set,
+and each site's Grams permuted with its model (a permutation of a module's inputs permutes its
+Gram's rows and columns), so the merge is of matching neurons.
 
 Levels that are not affine (a ResNet's stem and residual blocks with their BatchNorms, a ViT's
 patch embedding and encoder blocks) are merged module by module, as the paper does for
@@ -63,6 +65,7 @@ import torch
 from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod, register_fusion_method
+from fedfuse.fusion.blocks.space_alignment import check_feature_spaces
 from fedfuse.fusion.fixed_point import FixedPoint, coarse_norm_scale, norm_bound
 from fedfuse.fusion.privacy import (
     GaussianStatistics,
@@ -73,6 +76,7 @@ from fedfuse.fusion.privacy import (
 from fedfuse.fusion.regmean_grams import (
     GramBlock,
     _mergeable_modules,
+    align_sites,
     level_grams,
     mergeable,
     module_grams_layout,
@@ -199,6 +203,12 @@ class RegMean(FusionMethod):
             the fusion set); None: each level's median on the fusion set, which is then needed.
         dp_noise_seed: seeds the noise with in-process sites (reproducible simulations; a
             Flower site draws its own).
+        align: ``"none"`` (the paper's: neuron ``i`` of every model is merged with neuron
+            ``i``, right for sites from one shared initialisation); ``"activations"``: first
+            permute every feature space of each model onto one order by matching activations on
+            the fusion set (Git Re-Basin's MergeMany, :func:`match_spaces`; any architecture
+            with described symmetries), and each site's Grams with it (:func:`align_grams`),
+            so independently initialised sites merge matching neurons. Per-site Grams only.
 
     The system is solved in float64 with :func:`torch.linalg.solve_ex` (LU).
     """
@@ -216,8 +226,17 @@ class RegMean(FusionMethod):
         dp_delta: float = 1e-5,
         dp_clip: float | None = None,
         dp_noise_seed: int | None = None,
+        align: str = "none",
     ) -> None:
         check_fit_bias(fit_bias, self.name)
+        if align not in ("none", "activations"):
+            raise ValueError(f"regmean: align must be 'none' or 'activations', got {align!r}")
+        if align != "none" and grams != "per-site":
+            raise ValueError(
+                "regmean: align permutes each site's own Grams, which grams='sums' never shows "
+                "the server; use grams='per-site'"
+            )
+        self.align = align
         if grams not in ("per-site", "sums"):
             raise ValueError(f"regmean: grams must be 'per-site' or 'sums', got {grams!r}")
         self.grams = grams
@@ -239,7 +258,7 @@ class RegMean(FusionMethod):
 
     def requirements(self) -> frozenset[str]:
         if self.grams == "per-site":
-            return frozenset({"grams"})
+            return frozenset({"grams"} | ({"data"} if self.align != "none" else set()))
         return frozenset({"sites"} | ({"data"} if self.dp_epsilon and not self.dp_clip else set()))
 
     def needs(self) -> frozenset[str]:
@@ -248,7 +267,10 @@ class RegMean(FusionMethod):
         return self.requirements() | extra
 
     def check_architecture(self, model: LeveledModel) -> None:
-        """Every neuron level must be affine or hold at least one Linear/Conv2d to merge."""
+        """Every neuron level must be affine or hold at least one Linear/Conv2d to merge; with
+        ``align``, the architecture's symmetries must be described."""
+        if self.align != "none":
+            check_feature_spaces(model)
         for index in model.neuron_levels:
             level = model.levels[index]
             view = affine_view(level)
@@ -496,7 +518,11 @@ class RegMean(FusionMethod):
             # Stream over the clients: one client's Grams in memory at a time (they may be
             # memory-mapped files of a thousand sites), the per-system sums accumulated.
             assert inputs.grams is not None
-            for client, (model, grams) in enumerate(zip(models, inputs.grams, strict=True)):
+            site_grams = list(inputs.grams)
+            if self.align != "none":
+                assert inputs.data is not None
+                models, site_grams, details["align"] = align_sites(models, site_grams, inputs.data)
+            for client, (model, grams) in enumerate(zip(models, site_grams, strict=True)):
                 for key, gram, weights in self._client_parts(model, grams, client, systems):
                     shrunk = self._shrink(gram)
                     totals[key] = totals[key] + shrunk if key in totals else shrunk

@@ -4,6 +4,7 @@ them (:func:`module_grams_layout`). :mod:`fedfuse.fusion.regmean` says what they
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,11 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fedfuse.fusion.blocks.space_alignment import align_model, match_spaces
 from fedfuse.fusion.privacy import GaussianStatistics, clip_samples, noisy_moments
-from fedfuse.io.grams import gram_factor
+from fedfuse.io.grams import gram_factor, is_gram_factor
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import _patches, affine_view, output_rows
 from fedfuse.models.capture import hooked, run_batches
+from fedfuse.models.symmetry import FeatureSpace
 
 #: rows of the design matrix multiplied at once in :func:`level_grams` (bounds memory for convs)
 _ROW_BUDGET = 1 << 14
@@ -242,3 +245,91 @@ def level_grams(
 
 
 __all__ = ["GramBlock", "level_grams", "mergeable", "module_grams_layout"]
+
+
+def align_grams(
+    model: LeveledModel,
+    grams: Mapping[int, torch.Tensor],
+    spaces: list[FeatureSpace],
+    maps: Mapping[str, torch.Tensor],
+) -> dict[int, torch.Tensor]:
+    """``model``'s level Grams as the Grams of its permuted copy
+    (:func:`~fedfuse.fusion.blocks.space_alignment.align_model` with the same ``maps``).
+
+    A module's design rows are its input features (each repeated over its kernel patch or
+    flattened positions, feature-major) and a trailing 1; permuting the space that feeds it by
+    ``new i = old p[i]`` permutes the rows and columns of its Gram block the same way, so the
+    server re-expresses a site's upload without the site's data. Each Gram (or block) is
+    permuted by the space whose axes consume its module's weight on dim 1; the bias entry and
+    inputs no space permutes (pixels) stay. Gram factors ``R`` keep their form (columns
+    permuted). ``maps``: permutation matrices ``(new, old)`` by space name.
+    """
+    consumers = {
+        axis.key: space
+        for space in spaces
+        for axis in space.axes
+        if axis.dim == 1 and not axis.produces
+    }
+    names = {id(module): name for name, module in model.named_modules()}
+    aligned = dict(grams)
+
+    def order(key: str, size: int) -> torch.Tensor | None:
+        space = consumers.get(key)
+        if space is None or space.name not in maps:
+            return None
+        matrix = maps[space.name]
+        if not bool(((matrix == 0) | (matrix == 1)).all()) or not bool((matrix.sum(1) == 1).all()):
+            raise ValueError(f"align_grams: the map of space {space.name} is not a permutation")
+        permutation = matrix.argmax(1)
+        repeat = size // space.size
+        return (permutation[:, None] * repeat + torch.arange(repeat)).flatten()
+
+    def permuted(stored: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if is_gram_factor(stored):
+            return stored[:, index]
+        return stored[index][:, index]
+
+    for level in model.neuron_levels:
+        view = affine_view(model.levels[level])
+        if view is None or level not in grams:
+            continue
+        size = int(grams[level].shape[-1])  # fan-in + 1
+        inner = order(names[id(view.layer)] + ".weight", size - 1)
+        if inner is not None:
+            aligned[level] = permuted(grams[level], torch.cat([inner, torch.tensor([size - 1])]))
+    for level, blocks in module_grams_layout(model).items():
+        if level not in grams:
+            continue
+        index, offset = [], 0
+        for block in blocks:
+            fan_in = block.size - int(block.bias)
+            key = f"{names[id(model.levels[level])]}.{block.modules[0]}.weight"
+            inner = order(key, fan_in)
+            inner = torch.arange(fan_in) if inner is None else inner
+            index.append(inner + offset)
+            if block.bias:
+                index.append(torch.tensor([offset + fan_in]))
+            offset += block.size
+        aligned[level] = permuted(grams[level], torch.cat(index))
+    return aligned
+
+
+def align_sites(
+    models: list[LeveledModel], grams: list[dict[int, torch.Tensor]], data: torch.Tensor
+) -> tuple[list[LeveledModel], list[dict[int, torch.Tensor]], dict[str, Any]]:
+    """Every model permuted onto one neuron order by its activations on ``data``
+    (:func:`~fedfuse.fusion.blocks.space_alignment.match_spaces`), its Grams with it
+    (:func:`align_grams`); and what it did: neurons ``moved`` (summed over models and spaces)
+    and ``seconds``."""
+    started = time.perf_counter()
+    spaces, maps = match_spaces(models, data)
+    aligned = [align_model(m, m_maps, spaces) for m, m_maps in zip(models, maps, strict=True)]
+    aligned_grams = [
+        align_grams(m, g, spaces, m_maps) for m, g, m_maps in zip(models, grams, maps, strict=True)
+    ]
+    moved = sum(
+        int((matrix.argmax(1) != torch.arange(len(matrix))).sum())
+        for model_maps in maps
+        for matrix in model_maps.values()
+    )
+    return aligned, aligned_grams, {"moved": moved, "seconds": time.perf_counter() - started}

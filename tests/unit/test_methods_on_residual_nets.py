@@ -10,11 +10,19 @@ import torch
 import torch.nn.functional as F
 
 from fedfuse.fusion.base import FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks.space_alignment import align_model
 from fedfuse.fusion.regmean import RegMean, level_grams, module_grams_layout
+from fedfuse.fusion.regmean_grams import align_grams
 from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.io.validation import validate_grams
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.ensemble import Ensemble
+from fedfuse.models.symmetry import (
+    feature_spaces,
+    permutation_matrix,
+    permute_model,
+    random_permutations,
+)
 
 SPECS = {
     "resnet": make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=0.125),
@@ -66,6 +74,52 @@ def test_regmean_of_a_model_with_itself_is_the_model(arch):
     model.eval()
     assert result.model.spec == model.spec
     torch.testing.assert_close(result.model(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+ALIGN_SPECS = {**SPECS, "mlp": make_spec("mlp", (1, 28, 28), 10, widths=[24, 16])}
+
+
+@pytest.mark.parametrize("arch", sorted(ALIGN_SPECS))
+def test_a_sites_grams_permuted_by_the_server_are_its_permuted_models_grams(arch):
+    # what align="activations" relies on: no site data needed to re-express an upload
+    model = build_model(ALIGN_SPECS[arch], seed=0)
+    maps = {
+        name: permutation_matrix(p)
+        for name, p in random_permutations(model, torch.Generator().manual_seed(1)).items()
+    }
+    spaces = feature_spaces(model)
+    x = _data(30)
+    expected = level_grams(align_model(model, maps, spaces), x)
+    permuted = align_grams(model, level_grams(model, x), spaces, maps)
+    assert sorted(permuted) == sorted(expected)
+    for level, gram in expected.items():
+        torch.testing.assert_close(permuted[level], gram, rtol=1e-5, atol=1e-5)  # float32 sums
+    assert any(not torch.equal(level_grams(model, x)[k], g) for k, g in expected.items())
+
+
+@pytest.mark.parametrize("arch", sorted(ALIGN_SPECS))
+def test_aligned_regmean_fuses_a_permuted_copy_back_to_the_model(arch):
+    model = build_model(ALIGN_SPECS[arch], seed=0).eval()
+    torch.manual_seed(0)
+    permutations = random_permutations(model, torch.Generator().manual_seed(2))
+    copy_ = permute_model(model, permutations).eval()
+    x, fusion_set = _data(40, seed=3), _data(64, seed=4)
+    inputs = FusionInputs(data=fusion_set, grams=[level_grams(model, x), level_grams(copy_, x)])
+    aligned = RegMean(align="activations").fuse([model, copy_], inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(aligned.model(x), model(x), atol=1e-4, rtol=1e-4)
+        assert aligned.details["align"]["moved"] > 0
+        plain = RegMean().fuse([model, copy_], inputs).model  # neuron i with neuron i
+        assert (plain(x) - model(x)).abs().max() > 1e-2
+
+
+def test_aligned_regmean_says_what_it_needs_before_any_site_trains():
+    with pytest.raises(ValueError, match="grams='sums' never shows"):
+        RegMean(align="activations", grams="sums")
+    with pytest.raises(ValueError, match="align must be"):
+        RegMean(align="weights")
+    assert "data" in RegMean(align="activations").requirements()
+    assert "data" not in RegMean().requirements()
 
 
 @pytest.mark.parametrize("arch", sorted(SPECS))

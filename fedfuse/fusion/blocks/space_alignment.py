@@ -14,6 +14,8 @@ stream, the output of every block that writes to it), and turns the comparison i
   a grouped space (attention heads: a permutation never leaves its head);
 * :func:`block_transport`: the optimal transport map (POT, per group, rows normalised to be
   barycentric; :mod:`fedfuse.fusion.blocks.transport`) of OTFusion;
+* :func:`match_spaces`: every space of N models matched onto one order (Git Re-Basin's
+  MergeMany on the activation costs), as permutation maps per model;
 * :func:`align_model`: a copy of a model with each space's features replaced by ``map @ features``
   (:func:`~fedfuse.models.symmetry.map_state` on every axis of the space, BatchNorm buffers
   included), so a permutation keeps the function exactly.
@@ -26,15 +28,21 @@ same activation proxy as level-wise OTFusion.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedfuse.fusion.blocks.matching import correlation, linear_assignment, squared_distances
+from fedfuse.fusion.blocks.matching import (
+    correlation,
+    linear_assignment,
+    merge_many,
+    squared_distances,
+)
 from fedfuse.fusion.blocks.transport import row_stochastic, transport_plan
 from fedfuse.models import LeveledModel
 from fedfuse.models.capture import capture_modules
-from fedfuse.models.symmetry import FeatureSpace, feature_spaces, map_state
+from fedfuse.models.symmetry import FeatureSpace, feature_spaces, map_state, permutation_matrix
+from fedfuse.runtime import resolve_device
 
 SPACE_COSTS = ("correlation", "l2")
 
@@ -165,3 +173,48 @@ def align_model(
     aligned = copy.deepcopy(model).cpu()
     aligned.load_state_dict(state)
     return aligned
+
+
+def match_spaces(
+    models: Sequence[LeveledModel],
+    data: torch.Tensor,
+    *,
+    cost: str = "correlation",
+    weights: Sequence[float] | None = None,
+    rounds: int = 100,
+    seed: int = 0,
+    batch_size: int = 256,
+    device: str | torch.device = "auto",
+) -> tuple[list[FeatureSpace], list[dict[str, torch.Tensor]]]:
+    """Every feature space of ``models`` matched onto one order by their activations on
+    ``data``: :func:`space_cost` between each pair, then Git Re-Basin's MergeMany (two models:
+    one assignment of model 1 onto model 0), each permutation kept inside its groups.
+
+    Returns the spaces and, per model, ``{space name: permutation matrix}`` for
+    :func:`align_model` (model 0's are the identity when MergeMany leaves it in place).
+    ``weights`` are MergeMany's model weights (None: uniform).
+    """
+    spaces = check_feature_spaces(models[0])
+    device = resolve_device(device)
+    weights = list(weights) if weights is not None else [1.0 / len(models)] * len(models)
+    maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
+    for position, space in enumerate(spaces):
+        captured = [
+            capture_space(m, data, space, batch_size=batch_size, device=device) for m in models
+        ]
+        costs = {
+            (i, j): space_cost(captured[i], captured[j], cost, batch_size)
+            for i in range(len(models))
+            for j in range(i + 1, len(models))
+        }
+        del captured
+        permutations, _ = merge_many(
+            costs,
+            weights,
+            rounds=rounds,
+            seed=seed + position,
+            assign=lambda matrix, groups=space.groups: block_assignment(matrix, groups),
+        )
+        for model_maps, permutation in zip(maps, permutations, strict=True):
+            model_maps[space.name] = permutation_matrix(permutation)
+    return spaces, maps
