@@ -284,7 +284,13 @@ def align_grams(
         repeat = size // space.size
         return (permutation[:, None] * repeat + torch.arange(repeat)).flatten()
 
-    def permuted(stored: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def permuted(stored: torch.Tensor, index: torch.Tensor, level: int) -> torch.Tensor:
+        stored = torch.as_tensor(stored)
+        if stored.dim() != 2 or stored.shape[-1] != len(index):
+            raise ValueError(
+                f"the Gram of level {model.level_name(level)} has shape {tuple(stored.shape)}, "
+                f"the level's inputs need side {len(index)}"
+            )
         if is_gram_factor(stored):
             return stored[:, index]
         return stored[index][:, index]
@@ -293,10 +299,12 @@ def align_grams(
         view = affine_view(model.levels[level])
         if view is None or level not in grams:
             continue
-        size = int(grams[level].shape[-1])  # fan-in + 1
+        size = view.fan_in  # the design columns, the trailing 1 included
         inner = order(names[id(view.layer)] + ".weight", size - 1)
         if inner is not None:
-            aligned[level] = permuted(grams[level], torch.cat([inner, torch.tensor([size - 1])]))
+            aligned[level] = permuted(
+                grams[level], torch.cat([inner, torch.tensor([size - 1])]), level
+            )
     for level, blocks in module_grams_layout(model).items():
         if level not in grams:
             continue
@@ -310,7 +318,7 @@ def align_grams(
             if block.bias:
                 index.append(torch.tensor([offset + fan_in]))
             offset += block.size
-        aligned[level] = permuted(grams[level], torch.cat(index))
+        aligned[level] = permuted(grams[level], torch.cat(index), level)
     return aligned
 
 
@@ -324,9 +332,12 @@ def align_sites(
     started = time.perf_counter()
     spaces, maps = match_spaces(models, data)
     aligned = [align_model(m, m_maps, spaces) for m, m_maps in zip(models, maps, strict=True)]
-    aligned_grams = [
-        align_grams(m, g, spaces, m_maps) for m, g, m_maps in zip(models, grams, maps, strict=True)
-    ]
+    aligned_grams = []
+    for site, (model, site_grams, model_maps) in enumerate(zip(models, grams, maps, strict=True)):
+        try:
+            aligned_grams.append(align_grams(model, site_grams, spaces, model_maps))
+        except (ValueError, IndexError) as error:
+            raise ValueError(f"the Grams of site {site}: {error}") from None
     moved = sum(
         int((matrix.argmax(1) != torch.arange(len(matrix))).sum())
         for model_maps in maps

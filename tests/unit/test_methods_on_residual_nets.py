@@ -122,6 +122,17 @@ def test_aligned_regmean_says_what_it_needs_before_any_site_trains():
     assert "data" not in RegMean().requirements()
 
 
+def test_aligned_regmean_names_the_site_and_level_of_a_gram_of_the_wrong_size():
+    model = build_model(SPECS["vit"], seed=0)
+    x = _data(16)
+    broken = level_grams(model, x)
+    level = model.neuron_levels[1]
+    broken[level] = broken[level][:-3, :-3]
+    inputs = FusionInputs(data=x, grams=[level_grams(model, x), broken])
+    with pytest.raises(ValueError, match=rf"Grams of site 1: the Gram of level .*{level}"):
+        RegMean(align="activations").fuse([model, copy.deepcopy(model)], inputs)
+
+
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_regmean_grams_travel_like_level_grams(arch, tmp_path):
     """Non-affine levels pack their modules' Grams block-diagonally under the level's key, so
