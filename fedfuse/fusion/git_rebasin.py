@@ -101,9 +101,8 @@ from fedfuse.fusion.blocks.repair import repair as repair_model
 from fedfuse.fusion.blocks.space_alignment import (
     align_model,
     block_assignment,
-    capture_space,
     check_feature_spaces,
-    space_cost,
+    pairwise_space_costs,
 )
 from fedfuse.fusion.inputs import (
     averaging_candidates,
@@ -323,18 +322,14 @@ class GitReBasin(FusionMethod):
         maps = {weighting: [{} for _ in models] for weighting in weightings}
         for position, space in enumerate(spaces):
             started = time.perf_counter()
-            captured = [
-                capture_space(
-                    m, inputs.data, space, batch_size=self.batch_size_capture, device=device
-                )
-                for m in models
-            ]
-            costs = {
-                (i, j): space_cost(captured[i], captured[j], self.cost, self.batch_size_capture)
-                for i in range(len(models))
-                for j in range(i + 1, len(models))
-            }
-            del captured
+            costs = pairwise_space_costs(
+                models,
+                inputs.data,
+                space,
+                self.cost,
+                batch_size=self.batch_size_capture,
+                device=device,
+            )
             cost_seconds = time.perf_counter() - started
             for weighting, weights in weightings.items():
                 started = time.perf_counter()

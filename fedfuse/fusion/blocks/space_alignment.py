@@ -10,6 +10,7 @@ stream, the output of every block that writes to it), and turns the comparison i
 * :func:`space_cost`: the ``(n, n)`` cost between the reference's and the other model's neurons,
   ``-corr`` (Pearson correlation, Git Re-Basin) or the squared distance per row (OTFusion, Git
   Re-Basin's ``"l2"``), each summed over the probes;
+* :func:`pairwise_space_costs`: that cost between every pair of N models;
 * :func:`block_assignment`: the permutation minimising the cost (Hungarian), solved per group of
   a grouped space (attention heads: a permutation never leaves its head);
 * :func:`block_transport`: the optimal transport map (POT, per group, rows normalised to be
@@ -126,6 +127,25 @@ def block_assignment(cost: torch.Tensor, groups: int = 1) -> torch.Tensor:
     return permutation
 
 
+def pairwise_space_costs(
+    models: Sequence[LeveledModel],
+    data: torch.Tensor,
+    space: FeatureSpace,
+    cost: str = "correlation",
+    *,
+    batch_size: int = 256,
+    device: str | torch.device = "auto",
+) -> dict[tuple[int, int], torch.Tensor]:
+    """:func:`space_cost` of ``space`` between every pair ``i < j`` of ``models`` on ``data``
+    (each model's activations captured once), as MergeMany takes them."""
+    captured = [capture_space(m, data, space, batch_size=batch_size, device=device) for m in models]
+    return {
+        (i, j): space_cost(captured[i], captured[j], cost, batch_size)
+        for i in range(len(models))
+        for j in range(i + 1, len(models))
+    }
+
+
 def block_transport(
     cost: torch.Tensor,
     groups: int = 1,
@@ -199,17 +219,8 @@ def match_spaces(
     weights = list(weights) if weights is not None else [1.0 / len(models)] * len(models)
     maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
     for position, space in enumerate(spaces):
-        captured = [
-            capture_space(m, data, space, batch_size=batch_size, device=device) for m in models
-        ]
-        costs = {
-            (i, j): space_cost(captured[i], captured[j], cost, batch_size)
-            for i in range(len(models))
-            for j in range(i + 1, len(models))
-        }
-        del captured
         permutations, _ = merge_many(
-            costs,
+            pairwise_space_costs(models, data, space, cost, batch_size=batch_size, device=device),
             weights,
             rounds=rounds,
             seed=seed + position,
