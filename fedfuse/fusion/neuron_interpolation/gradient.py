@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.neuron_interpolation.costs import level_cost
 from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
-from fedfuse.models.affine import output_rows
+from fedfuse.fusion.neuron_interpolation.sublayers import group_targets
 from fedfuse.training.loop import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
 
 
@@ -83,17 +82,16 @@ def fit_gradient(
     starting from ``base_level`` (model 0's), or, when ``started``, from the weights ``level``
     already holds (a closed-form fit, which then also competes for the best state); return
     the level's details."""
-    z = torch.cat([output_rows(o) for o in outputs], 1)
-    if labels is None:
-        labels = group(z.T.contiguous(), weights.to(z.dtype), widths, k)
-    targets_rows = cluster_targets(z, labels, weights.to(z.dtype), k).float()
+    labels, targets_rows = group_targets(outputs, weights, k, labels, group)
+    targets_rows = targets_rows.float()
     shape = outputs[0].shape
     targets = (
         targets_rows
         if len(shape) == 2
         else targets_rows.reshape(shape[0], *shape[2:], k).movedim(-1, 1)
     )
-    mass = torch.zeros(k, device=z.device, dtype=z.dtype).index_add_(0, labels, weights.to(z.dtype))
+    mass = torch.zeros(k, device=labels.device, dtype=weights.dtype)
+    mass = mass.index_add_(0, labels, weights.to(mass))
     neuron_weights = (mass / mass.mean()).float() if weighted_loss else None
     if not started:
         _initialise(level, base_level, settings.epsilon)

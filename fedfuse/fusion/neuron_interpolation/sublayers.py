@@ -8,13 +8,16 @@ from collections.abc import Callable
 
 import torch
 
-from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.least_squares import (
     RidgeFit,
     accumulate_normal_equations,
     ridge_fit,
 )
-from fedfuse.fusion.neuron_interpolation.grouping import GroupFn
+from fedfuse.fusion.neuron_interpolation.grouping import (
+    GroupFn,
+    centre_weights,
+    neuron_points,
+)
 from fedfuse.models.affine import output_rows
 
 
@@ -38,12 +41,21 @@ def group_targets(
     group: GroupFn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the base neurons (columns of their output rows) into ``k`` unless ``labels`` are
-    given; return the labels and the groups' weighted centres (rows x k)."""
-    rows = torch.cat([output_rows(p) for p in preacts], 1)
-    weights = weights.to(rows.device, rows.dtype)
+    given (on :func:`~fedfuse.fusion.neuron_interpolation.grouping.neuron_points`, which keep
+    the columns' distances in at most one coordinate per neuron); return the labels and the
+    groups' weighted centres (rows x k), summed model by model."""
+    blocks = [output_rows(p) for p in preacts]
     if labels is None:
-        labels = group(rows.T.contiguous(), weights, [p.shape[1] for p in preacts], k)
-    return labels, cluster_targets(rows, labels.to(rows.device), weights, k)
+        points = neuron_points(blocks).to(weights.device)
+        labels = group(points, weights.to(points), [b.shape[1] for b in blocks], k)
+    mixing = centre_weights(labels.cpu(), weights.double().cpu(), k)
+    targets, start = None, 0
+    for block in blocks:  # Z M, one model's columns at a time
+        part = mixing[start : start + block.shape[1]].to(block)
+        targets = block @ part if targets is None else targets.addmm_(block, part)
+        start += block.shape[1]
+    assert targets is not None
+    return labels, targets
 
 
 def fit_rows(
