@@ -169,6 +169,12 @@ class OneShotRun:
         spec = scenario.model_spec()  # a fusion-data file that cannot be read fails here
         if self.inversion is not None:
             check_invertible(build_model(spec), where="run config fusion-invert-samples")
+        if self.settings.fusion_gaussian_samples:
+            raise ValueError(
+                "run config fusion-gaussian-samples: a Flower run's sites do not upload class "
+                "Gaussians (yet); fit them in-process with `fedfuse compare runner=library "
+                "fusion_set.gaussian_samples=N`, or use fedfuse.fusion.class_gaussians directly"
+            )
         reference = self.fusion_set(0) if self.settings.fusion_data else scenario.train_set
         try:
             scenario.test_set  # noqa: B018 - loaded now, not after every site trained

@@ -41,6 +41,11 @@ def row_id(
         preimage["fusion_augment"] = augment
     if settings.fusion_invert_samples:  # absent by default: earlier rows keep their ids
         preimage["fusion_invert"] = [settings.fusion_invert_samples, settings.fusion_invert_steps]
+    if settings.fusion_gaussian_samples:  # absent by default: earlier rows keep their ids
+        preimage["fusion_gaussians"] = [
+            settings.fusion_gaussian_samples,
+            settings.fusion_gaussian_rank,
+        ]
     if settings.fused_widths.strip():  # absent by default: earlier rows keep their ids
         preimage["fused_widths"] = settings.fused_widths.strip()
     prefix = method.name

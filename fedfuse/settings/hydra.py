@@ -132,6 +132,8 @@ KEYS: tuple[Key, ...] = (
     Key("fusion_set.augment_padding", "fusion_augment_padding"),
     Key("fusion_set.invert_samples", "fusion_invert_samples"),
     Key("fusion_set.invert_steps", "fusion_invert_steps"),
+    Key("fusion_set.gaussian_samples", "fusion_gaussian_samples"),
+    Key("fusion_set.gaussian_rank", "fusion_gaussian_rank"),
     Key("finetune.data", "finetune_data"),
     Key("finetune.epochs", "finetune_epochs"),
     Key("finetune.lr", "finetune_lr"),

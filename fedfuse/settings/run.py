@@ -27,6 +27,7 @@ from fedfuse.fusion.base import (
     parse_method_names,
     parse_options,
 )
+from fedfuse.fusion.class_gaussians import GaussianFusionSet
 from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.models import ModelSpec, build_model, make_spec
 from fedfuse.models.importance import SCORE_METHODS
@@ -69,6 +70,8 @@ RANGES: dict[str, Range] = {
     "fusion_augment_padding": Range(0, 1_000),
     "fusion_invert_samples": Range(0, 10**6),
     "fusion_invert_steps": Range(1, 10**6),
+    "fusion_gaussian_samples": Range(0, 10**6),
+    "fusion_gaussian_rank": Range(0, 10**5),
     "test_samples": Range(0, 10**9),
     "min_nodes": Range(1, 10**6),
     "node_wait_timeout": Range(0, 10**7, integer=False, open_low=True),
@@ -139,6 +142,8 @@ class RunSettings:
     fusion_augment_padding: int = 4
     fusion_invert_samples: int = 0
     fusion_invert_steps: int = 200
+    fusion_gaussian_samples: int = 0
+    fusion_gaussian_rank: int = 64
     test_samples: int = 0
     fusion_data: str = ""
     test_data: str = ""
@@ -185,11 +190,12 @@ class RunSettings:
                 "fusion-source='synthetic' has no real fusion set to fine-tune on; use "
                 "finetune-data='sites'"
             )
-        if self.fusion_invert_samples and self.synthetic_fusion_set:
-            raise ValueError(
-                "fusion-invert-samples completes the real fusion set, and fusion-source="
-                "'synthetic' has none: choose one"
-            )
+        for key in ("fusion_invert_samples", "fusion_gaussian_samples"):
+            if getattr(self, key) and self.synthetic_fusion_set:
+                raise ValueError(
+                    f"{key.replace('_', '-')} completes the real fusion set, and fusion-source="
+                    "'synthetic' has none: choose one"
+                )
         self.class_groups()
         self.architecture_options()
         self.fused_widths_request()
@@ -314,6 +320,25 @@ class RunSettings:
             device=self.device,
         )
 
+    def fusion_gaussians(self) -> GaussianFusionSet | None:
+        """The run's fusion-set completion from the sites' class Gaussians (None when it has
+        none)."""
+        if not self.fusion_gaussian_samples:
+            return None
+        return GaussianFusionSet(
+            self.fusion_gaussian_samples, rank=self.fusion_gaussian_rank, seed=self.seed + 3
+        )
+
+    def gaussian_label(self) -> str:
+        """``+gauss(xN)`` (with ``rank=R`` where it differs from the default) for a result row
+        whose fusion set was completed from the sites' class Gaussians; ``""`` otherwise."""
+        if not self.fusion_gaussian_samples:
+            return ""
+        parts = [f"x{self.fusion_gaussian_samples}"]
+        if self.fusion_gaussian_rank != RunSettings().fusion_gaussian_rank:
+            parts.append(f"rank={self.fusion_gaussian_rank}")
+        return f"+gauss({','.join(parts)})"
+
     def widths_label(self) -> str:
         """``widths(2x)`` (or ``widths(w,w,...)``) for a result row fused into other widths than
         the sites' (``fused-widths``); ``""`` for the sites' own (``""`` or ``1x``)."""
@@ -323,8 +348,9 @@ class RunSettings:
 
     def fusion_set_label(self) -> str:
         """What a result row's label adds for its fusion set (:meth:`augment_label`, then
-        :meth:`invert_label`, space-separated); ``""`` for the plain one."""
-        return " ".join(label for label in (self.augment_label(), self.invert_label()) if label)
+        :meth:`invert_label`, :meth:`gaussian_label`, space-separated); ``""`` for the plain one."""
+        labels = (self.augment_label(), self.invert_label(), self.gaussian_label())
+        return " ".join(label for label in labels if label)
 
     def invert_label(self) -> str:
         """``+inv(xN)`` (with ``steps=S`` where it differs from the default) for a result row

@@ -388,6 +388,24 @@ def test_an_inverted_fusion_set_is_a_row_of_its_own_and_needs_batchnorm(tmp_path
     assert not list((tmp_path / "mlp").rglob("site_*.safetensors"))
 
 
+def test_class_gaussians_complete_the_fusion_set_in_a_row_of_their_own(tmp_path):
+    gaussians = ["fusion_set.gaussian_samples=30", "fusion_set.gaussian_rank=4"]
+    common = [*TINY, "sites=2", "partition=sharded", "method=kf-trust"]
+    assert compare.main([*common, f"output_dir={tmp_path}", *gaussians]) == 0
+    (row,) = _rows_list(tmp_path / "default")
+    assert row["status"] == "ok", row.get("error")
+    assert row["label"] == "kf-trust +gauss(x30,rank=4)"
+    # per class (10 of digits): a count, a noise variance, a mean and 4 loadings of 64 pixels
+    assert row["gaussian_upload_bytes"] == 10 * 8 + 10 * 4 + 10 * 64 * 4 + 10 * 64 * 4 * 4
+    assert row["gaussian_fusion_set_seconds"] >= 0
+    # the Flower runner has no class-Gaussian upload: refused before any site trains
+    flower = [*common, "runner=flower", f"output_dir={tmp_path / 'flower'}", *gaussians]
+    assert compare.main(flower) == 0
+    (failed,) = _rows_list(tmp_path / "flower" / "default")
+    assert failed["status"] == "failed" and "runner=library" in failed["error"]
+    assert not list((tmp_path / "flower").rglob("site_*.safetensors"))
+
+
 def test_kf_trust_fuses_real_sites_on_a_balanced_fusion_set(tmp_path):
     common = [*TINY, "sites=2", "partition=sharded", "method=kf-trust,kf-linear"]
     assert compare.main(["-m", *common, "fusion_set=balanced", f"output_dir={tmp_path}"]) == 0
