@@ -89,6 +89,7 @@ def train_and_upload(msg: Message, context: Context) -> Message:
             data_path=data_path,
             send_grams=request.send_grams,
             send_fisher=request.send_fisher,
+            send_gaussians=request.send_gaussians,
             cache=run_site_cache(settings, partition_id, num_partitions, data_path),
             contract=request.contract,
             site_name=name,

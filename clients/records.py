@@ -30,6 +30,7 @@ METRICS_KEY = "metrics"
 SITE_KEY = "site"
 GRAMS_KEY = "grams"
 FISHER_KEY = "fisher"
+GAUSSIANS_KEY = "class-gaussians"
 CONFIG_KEY = "config"
 #: metrics ``seconds-<phase>``: the wall time of a site's phases
 SECONDS_PREFIX = "seconds-"
@@ -39,6 +40,9 @@ SEND_GRAMS_KEY = "send-grams"
 #: train-message config key: the Fisher kinds the site uploads (a comma list of
 #: :data:`fedfuse.fusion.fisher.FISHER_KINDS`, "" for none; what the run's methods read)
 SEND_FISHER_KEY = "send-fisher"
+#: train-message config key: the rank of the class Gaussians the site uploads (0: none; the run
+#: completes its fusion set from them, :mod:`fedfuse.fusion.class_gaussians`)
+SEND_GAUSSIANS_KEY = "send-class-gaussians"
 #: train-message config key, to a plain ClientApp: the extras it should send (a comma list of
 #: :data:`fedfuse.federation.plain_site.EXTRAS`); reply record of those extras
 EXTRAS_KEY = "fusion-extras"
@@ -62,6 +66,7 @@ def pack_train_request(
     *,
     send_grams: bool,
     send_fisher: Sequence[str] = (),
+    send_gaussians: int = 0,
     extras: Sequence[str] = (),
     score_method: str = "",
     contract: DataContract | None = None,
@@ -71,6 +76,7 @@ def pack_train_request(
     the ``extras`` to send)."""
     config[SEND_GRAMS_KEY] = bool(send_grams)
     config[SEND_FISHER_KEY] = ",".join(send_fisher)
+    config[SEND_GAUSSIANS_KEY] = int(send_gaussians)
     if contract is not None:
         config[CONTRACT_KEY] = json.dumps(contract.to_dict())
     if extras:
@@ -90,6 +96,8 @@ class TrainRequest:
     contract: DataContract | None
     #: the Fisher kinds to upload (None when the message does not say)
     send_fisher: tuple[str, ...] | None = None
+    #: the rank of the class Gaussians to upload, 0 for none (None when the message does not say)
+    send_gaussians: int | None = None
 
 
 def unpack_train_request(content: RecordDict) -> TrainRequest:
@@ -106,8 +114,21 @@ def unpack_train_request(content: RecordDict) -> TrainRequest:
         unknown = sorted(set(send_fisher) - set(FISHER_KINDS))
         if unknown:
             raise ValueError(f"the train message asks for unknown Fisher kinds {unknown}")
+    gaussians = config.get(SEND_GAUSSIANS_KEY) if config is not None else None
+    send_gaussians = None
+    if gaussians is not None:
+        if isinstance(gaussians, bool) or not isinstance(gaussians, int) or gaussians < 0:
+            raise ValueError(
+                f"the train message asks for class Gaussians of rank {gaussians!r}, "
+                "not a whole number >= 0"
+            )
+        send_gaussians = int(gaussians)
     return TrainRequest(
-        initial_state, None if send_grams is None else bool(send_grams), contract, send_fisher
+        initial_state,
+        None if send_grams is None else bool(send_grams),
+        contract,
+        send_fisher,
+        send_gaussians,
     )
 
 
@@ -184,6 +205,8 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
         content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in upload.grams.items()})
     if upload.fisher is not None:
         content[FISHER_KEY] = ArrayRecord(dict(upload.fisher))
+    if upload.class_gaussians is not None:
+        content[GAUSSIANS_KEY] = ArrayRecord(upload.class_gaussians.to_tensors())
     return content
 
 

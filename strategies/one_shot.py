@@ -35,7 +35,6 @@ trains.
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -53,8 +52,15 @@ from fedfuse.data import ImageDataset
 from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.plain_site import EXTRA_FIELDS, extras_for
-from fedfuse.federation.uploads import StoredUpload, UploadStore, fusion_inputs, needs_grams
-from fedfuse.fusion import FusionMethod, FusionResult, make_fusion_method, make_fusion_methods
+from fedfuse.federation.uploads import (
+    StoredUpload,
+    UploadStore,
+    complete_fusion_set,
+    fusion_inputs,
+    needs_grams,
+)
+from fedfuse.fusion import FusionMethod, FusionResult, as_fusion_methods
+from fedfuse.fusion.class_gaussians import GaussianFusionSet, upload_rank
 from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.fusion.inversion import InvertedFusionSet
@@ -92,15 +98,6 @@ class MethodFailure:
 
     error: str
     seconds: float
-
-
-def as_methods(methods: str | FusionMethod | Sequence[str | FusionMethod]) -> list[FusionMethod]:
-    """Fusion methods from a comma list (``"kf-linear,regmean"``), names or instances."""
-    if isinstance(methods, str):
-        return make_fusion_methods(methods)
-    if isinstance(methods, FusionMethod):
-        return [methods]
-    return [m if isinstance(m, FusionMethod) else make_fusion_method(m) for m in methods]
 
 
 class OneShotFusion(Strategy):
@@ -147,6 +144,8 @@ class OneShotFusion(Strategy):
         secure: aggregate the rounds summed over sites with Flower's SecAgg+
             (:mod:`.secure_sums`); a method that would read anything per site is refused now.
         inversion: complete the fusion set from the uploads' BatchNorm statistics (None: not).
+        gaussians: complete it from the class Gaussians every site uploads (None: not; sites
+            of fedfuse's ClientApp only).
 
     Raises:
         MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
@@ -176,9 +175,15 @@ class OneShotFusion(Strategy):
         on_fused: Callable[[str, FusionResult], None] | None = None,
         secure: SecureSettings | None = None,
         inversion: InvertedFusionSet | None = None,
+        gaussians: GaussianFusionSet | None = None,
     ) -> None:
-        self.methods = as_methods(methods)
-        self.inversion = inversion
+        self.methods = as_fusion_methods(methods)
+        self.inversion, self.gaussians = inversion, gaussians
+        if gaussians is not None and (model_fn is not None or secure is not None):
+            raise ValueError(
+                "class Gaussians are sent by fedfuse's ClientApp, site by site: not by a plain "
+                "ClientApp, nor under secure aggregation (the server sees only sums)"
+            )
         if secure is not None:
             check_secure_methods(self.methods)
         self.secure = secure
@@ -203,7 +208,7 @@ class OneShotFusion(Strategy):
             raise ValueError("client_extras is for a plain ClientApp: give model_fn too")
         else:
             self.available_inputs = available_inputs
-        self.store = self._store(store)
+        self.store = UploadStore.for_run(store, self.adapter.spec if self.adapter else None)
         self.min_nodes = min_nodes
         self.node_wait_timeout = node_wait_timeout
         self.require_scores = (
@@ -264,20 +269,6 @@ class OneShotFusion(Strategy):
                 f"{self.adapter.model_class.__name__} keeps the widths its class defines"
             )
 
-    def _store(self, store: UploadStore | str | Path | None) -> UploadStore:
-        """The run's upload store; a folder gets a new subfolder per run, so none is reused."""
-        expected = self.adapter.spec if self.adapter is not None else None
-        if isinstance(store, UploadStore):
-            if expected is not None and store.expected_spec is None:
-                store.expected_spec = expected
-            return store
-        if store is None:
-            folder = tempfile.mkdtemp(prefix="fedfuse-uploads-")
-        else:
-            Path(store).mkdir(parents=True, exist_ok=True)
-            folder = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=store)
-        return UploadStore(folder, expected_spec=expected)
-
     def summary(self) -> None:
         log.info(
             "OneShotFusion: methods=%s, min_nodes=%d",
@@ -323,6 +314,7 @@ class OneShotFusion(Strategy):
             config,
             send_grams=needs_grams(self.methods),
             send_fisher=fisher_kinds(self.methods),
+            send_gaussians=upload_rank(self.gaussians, self.methods),
             extras=self._extras,
             score_method=self.score_method,
             contract=self.contract,
@@ -559,9 +551,13 @@ class OneShotFusion(Strategy):
             if any("sites" in method.needs() for method in self.methods)
             else None
         )
-        inputs = fusion_inputs(self.store, fusion_set, sites=sites)
-        if self.inversion is not None:  # rows inverted from the uploads' BatchNorm statistics
-            inputs = self.inversion.complete_inputs(models, inputs)
+        inputs = complete_fusion_set(
+            models,
+            fusion_inputs(self.store, fusion_set, sites=sites),
+            self.store,
+            inversion=self.inversion,
+            gaussians=self.gaussians if upload_rank(self.gaussians, self.methods) else None,
+        )
         for method in self.methods:
             method_started = time.monotonic()
             try:

@@ -18,6 +18,7 @@ from flwr.app import ConfigRecord, Message
 from fedfuse.clients.records import (
     EXTRAS_KEY,
     FISHER_KEY,
+    GAUSSIANS_KEY,
     GRAMS_KEY,
     METRICS_KEY,
     NO_UPLOAD_KEY,
@@ -29,6 +30,7 @@ from fedfuse.clients.records import (
     unpack_tensors,
 )
 from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.class_gaussians import ClassGaussians
 from fedfuse.fusion.fisher import check_fisher
 from fedfuse.io.checkpoint import scores_from_tensors
 from fedfuse.io.validation import (
@@ -152,6 +154,7 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
         init=str(site.get("init", ""))[:64],
         grams=_grams(content, model, source),
         fisher=_fisher(content, model, source),
+        class_gaussians=_class_gaussians(content, model.spec, source),
         train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
         seconds=_seconds(metrics),
         site_name=sender_name(msg),
@@ -242,7 +245,9 @@ def _weights_key(content: Any, source: str) -> str:
     if WEIGHTS_KEY in content.array_records:
         return WEIGHTS_KEY
     others = [
-        key for key in content.array_records if key not in (SCORES_KEY, GRAMS_KEY, FISHER_KEY)
+        key
+        for key in content.array_records
+        if key not in (SCORES_KEY, GRAMS_KEY, FISHER_KEY, GAUSSIANS_KEY)
     ]
     if len(others) != 1:
         raise ContributionError(
@@ -282,6 +287,20 @@ def _grams(content: Any, model: Any, source: str) -> dict[int, Any] | None:
     except ValueError:
         raise ContributionError(f"{source}: malformed Gram matrix keys {sorted(raw)}") from None
     return validate_grams(model, levels, source=source)
+
+
+def _class_gaussians(content: Any, spec: ModelSpec, source: str) -> ClassGaussians | None:
+    """The reply's class Gaussians, checked against the model's inputs and classes (None when
+    it sent none; a run that draws from them checks that every site did)."""
+    if GAUSSIANS_KEY not in content.array_records:
+        return None
+    tensors = _tensors(content, GAUSSIANS_KEY, source)
+    try:
+        return ClassGaussians.from_tensors(
+            tensors, spec.input_shape, num_classes=spec.num_classes, source=source
+        )
+    except ValueError as error:
+        raise ContributionError(str(error)) from None
 
 
 def _fisher(content: Any, model: Any, source: str) -> dict[str, Any] | None:

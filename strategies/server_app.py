@@ -124,6 +124,8 @@ class OneShotRun:
         )
         #: completes the fusion set from the uploads' BatchNorm statistics, else None
         self.inversion = settings.fusion_inversion()
+        #: completes it from the class Gaussians the sites upload, else None
+        self.gaussians = settings.fusion_gaussians()
         #: what the run is doing (named by a failure or a stop)
         self.phase = "start"
         self.contract: DataContract | None = None
@@ -169,12 +171,6 @@ class OneShotRun:
         spec = scenario.model_spec()  # a fusion-data file that cannot be read fails here
         if self.inversion is not None:
             check_invertible(build_model(spec), where="run config fusion-invert-samples")
-        if self.settings.fusion_gaussian_samples:
-            raise ValueError(
-                "run config fusion-gaussian-samples: a Flower run's sites do not upload class "
-                "Gaussians (yet); fit them in-process with `fedfuse compare runner=library "
-                "fusion_set.gaussian_samples=N`, or use fedfuse.fusion.class_gaussians directly"
-            )
         reference = self.fusion_set(0) if self.settings.fusion_data else scenario.train_set
         try:
             scenario.test_set  # noqa: B018 - loaded now, not after every site trained
@@ -257,6 +253,7 @@ class OneShotRun:
             if settings.secure_aggregation
             else None,
             inversion=self.inversion,
+            gaussians=self.gaussians,
         )
         self.phase = "collect and fuse"
         try:
@@ -271,6 +268,8 @@ class OneShotRun:
                 self.phases["synthetic_fusion_set"] = self.synthetic.seconds
             if self.inversion is not None and self.inversion.seconds is not None:
                 self.phases["inverted_fusion_set"] = self.inversion.seconds
+            if self.gaussians is not None and self.gaussians.seconds is not None:
+                self.phases["gaussian_fusion_set"] = self.gaussians.seconds
             self.save()
 
         self.phase = "evaluate"

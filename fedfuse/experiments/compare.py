@@ -25,10 +25,9 @@ The paper's optional steps have rows of their own, never mixed into the zero-sho
   rows per site inverted from its model's BatchNorm statistics
   (:mod:`fedfuse.fusion.inversion`); a row of its own, labelled ``<method> +inv(xN)``.
 * ``fusion_set.gaussian_samples=N``: every site also uploads its class Gaussians (a rank-
-  ``fusion_set.gaussian_rank`` PPCA of its inputs per class, fitted on its data in-process, as
-  ``LocalSites`` answers statistics rounds), and the fusion set is completed with ``N`` rows
-  per site drawn from them (:mod:`fedfuse.fusion.class_gaussians`); a row of its own, labelled
-  ``<method> +gauss(xN)``, with the bytes each site uploads for them.
+  ``fusion_set.gaussian_rank`` PPCA of its inputs per class), and the fusion set is completed
+  with ``N`` rows per site drawn from them (:mod:`fedfuse.fusion.class_gaussians`); a row of
+  its own, labelled ``<method> +gauss(xN)``, with the bytes each site uploads for them.
 """
 
 from __future__ import annotations
@@ -55,8 +54,11 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.simulation import simulate_command
 from fedfuse.federation.site import finetune_site, train_site
 from fedfuse.federation.site_cache import SiteCache
-from fedfuse.federation.uploads import fusion_inputs, needs_grams, upload_facts
-from fedfuse.fusion.class_gaussians import ClassGaussians, fit_class_gaussians
+from fedfuse.federation.uploads import (
+    complete_fusion_set,
+    fusion_inputs,
+    needs_grams,
+)
 from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.fusion.inversion import check_invertible
@@ -179,11 +181,6 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         job.method.check_run(job.sites, spec, target=job.settings.fused_spec(spec))
         if job.settings.fusion_invert_samples and job.method.needs() & {"data", "labels"}:
             check_invertible(build_model(spec), where="fusion_set.invert_samples")  # before sites
-        if job.settings.fusion_gaussian_samples and job.runner != "library":
-            raise ValueError(
-                "fusion_set.gaussian_samples: the sites' class Gaussians are fitted in-process; "
-                "run it with runner=library"
-            )
         runner = _run_library if job.runner == "library" else _run_flower
         outcome = runner(job, scenario)
         if outcome.zero_shot is None:  # kept from an earlier run; only the fine-tuning ran
@@ -240,6 +237,7 @@ def _run_library(job: Job, scenario: Scenario) -> Outcome:
             initial,
             send_grams=send_grams,
             send_fisher=send_fisher,
+            send_gaussians=settings.gaussian_rank([job.method]),
             cache=job.cache.site(settings, pid, job.sites),
         )
         for pid in tqdm(range(job.sites), desc=f"sites ({job.id})", disable=None)
@@ -292,13 +290,9 @@ def _fuse_library(
         site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
         sites = LocalSites(models, site_inputs, device=settings.device)
     inputs = fusion_inputs(uploads, fusion_set, sites=sites, needs=needs)
-    if (inverted := settings.fusion_inversion()) is not None:  # from the uploads' BatchNorms
-        inputs = inverted.complete_inputs(models, inputs, upload_facts(uploads).class_counts)
-    gaussians, gaussian_bytes = settings.fusion_gaussians(), None
-    if gaussians is not None and inputs.data is not None:
-        uploaded = [_class_gaussians(scenario, pid, gaussians.rank) for pid in range(job.sites)]
-        gaussian_bytes = max(site.nbytes for site in uploaded)
-        inputs = gaussians.complete_inputs(inputs, uploaded)
+    inverted = settings.fusion_inversion()
+    gaussians = settings.fusion_gaussians() if settings.gaussian_rank([job.method]) else None
+    inputs = complete_fusion_set(models, inputs, uploads, inversion=inverted, gaussians=gaussians)
     with PeakMemory() as peak:
         result = job.method.fuse(models, inputs, target=job.settings.fused_spec(models[0].spec))
     return result.model, {
@@ -312,17 +306,11 @@ def _fuse_library(
         "synthetic_fusion_set_seconds": None if synthetic is None else synthetic.seconds,
         "inverted_fusion_set_seconds": None if inverted is None else inverted.seconds,
         "gaussian_fusion_set_seconds": None if gaussians is None else gaussians.seconds,
-        "gaussian_upload_bytes": gaussian_bytes,
+        "gaussian_upload_bytes": None
+        if gaussians is None
+        else max(u.payload_parts()["class_gaussians"] for u in uploads),
         "details": json_safe(result.details),
     }
-
-
-def _class_gaussians(scenario: Scenario, partition_id: int, rank: int) -> ClassGaussians:
-    """What site ``partition_id`` uploads for ``fusion_set.gaussian_samples``: its class
-    Gaussians, fitted on its own training data."""
-    data = scenario.client_data(partition_id)
-    labels = torch.as_tensor(data.labels).long()
-    return fit_class_gaussians(data.inputs(), labels, data.num_classes, rank=rank)
 
 
 def _zero_shot_model(job: Job) -> tuple[Any, dict[str, Any]] | None:

@@ -26,14 +26,16 @@ from fedfuse.federation.contract import SiteRefusal
 #: the statistics a site can send: Gram matrices with its upload (RegMean), the answers to
 #: statistics rounds (``kf-sites``, ``hf-sites``), its share of sums over sites that only
 #: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum), and
-#: its Fisher information with its upload (Fisher merging, FedFisher)
-STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher")
+#: its Fisher information with its upload (Fisher merging, FedFisher), and its class Gaussians
+#: with its upload (a mean and a low-rank covariance of its inputs per class, when the run
+#: completes its fusion set from them: :mod:`fedfuse.fusion.class_gaussians`)
+STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher", "class-gaussians")
 
 #: node-config key -> what it sets (the keys are listed in ``docs/deployment.md``)
 POLICY_KEYS = {
     "allow-methods": "comma list of the fusion methods the site takes part in ('*': any)",
-    "allow-statistics": "comma list of 'grams', 'rounds', 'secure-sums' and 'fisher' the site "
-    "sends ('none': none of them)",
+    "allow-statistics": "comma list of 'grams', 'rounds', 'secure-sums', 'fisher' and "
+    "'class-gaussians' the site sends ('none': none of them)",
     "max-statistics-rounds": "statistics rounds the site answers in one run",
     "min-statistic-rows": "samples of the site a statistic must sum over, at least",
     "refuse-grams-below-fan-in": "refuse a Gram with fewer rows than its columns (true/false)",
@@ -89,7 +91,7 @@ class SitePolicy:
         if unknown:
             raise ValueError(
                 f"{where}: allow-statistics names {unknown}; use 'grams', 'rounds', "
-                "'secure-sums', 'fisher' or 'none'"
+                "'secure-sums', 'fisher', 'class-gaussians' or 'none'"
             )
         if methods is not None:
             _check_method_names(methods, where)

@@ -30,6 +30,7 @@ from fedfuse.federation.policy import SitePolicy, requested_statistics
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
+from fedfuse.fusion.class_gaussians import ClassGaussians, fit_class_gaussians
 from fedfuse.fusion.fisher import fisher_kinds, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
@@ -97,6 +98,7 @@ def train_site(
     data_path: str | None = None,
     send_grams: bool | None = None,
     send_fisher: Sequence[str] | None = None,
+    send_gaussians: int | None = None,
     cache: TrainedSiteCache | None = None,
     contract: DataContract | None = None,
     site_name: str = "",
@@ -115,6 +117,8 @@ def train_site(
             (:meth:`~fedfuse.settings.run.RunSettings.fusion_methods`) reads them.
         send_fisher: the Fisher kinds to upload (``"diagonal"``, ``"kfac"``: what the run's
             methods read, as the train message says); None: as the run's methods read.
+        send_gaussians: upload the site's class Gaussians of this rank (0: none; the train
+            message says); None: as the run's ``fusion-gaussian-samples`` / ``-rank`` say.
         cache: where the trained site is kept between runs (None: it is not kept); a kept
             model and its scores and Grams are reused instead of computed again.
         contract: the run's data contract: the site's data is checked against it before
@@ -134,6 +138,9 @@ def train_site(
         send_grams = needs_grams(settings.fusion_methods())
     if send_fisher is None:
         send_fisher = fisher_kinds(settings.fusion_methods())
+    if send_gaussians is None:
+        send_gaussians = settings.gaussian_rank(settings.fusion_methods())
+    send_gaussians = max(int(send_gaussians), 0)
     cached = cache.load() if cache is not None else None
     data: ImageDataset | None = None
 
@@ -149,7 +156,12 @@ def train_site(
         contract.check(site_data(), source=f"{name}'s data{where}")
     if policy is not None:
         check_site_policy(
-            settings, policy, len(site_data()), send_grams=send_grams, send_fisher=send_fisher
+            settings,
+            policy,
+            len(site_data()),
+            send_grams=send_grams,
+            send_fisher=send_fisher,
+            send_gaussians=bool(send_gaussians),
         )
     if cached is not None:
         log.info("%s: trained model loaded from %s", name, cache)
@@ -187,6 +199,10 @@ def train_site(
         )
         model.cpu()
         clock.lap("fisher")
+    gaussians = None  # sent only when the run completes its fusion set from them
+    if send_gaussians:
+        gaussians = site_class_gaussians(site_data(), send_gaussians, policy)
+        clock.lap("class_gaussians")
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
         entry = TrainedSite(model, facts, dict(cached.scores) if cached else {}, kept)
@@ -206,6 +222,7 @@ def train_site(
         train_loss=float(facts["train_loss"]),
         grams=grams,
         fisher=fisher,
+        class_gaussians=gaussians,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
         site_name=site_name,
         ray_node=site_ray_node(),
@@ -243,18 +260,38 @@ def check_site_policy(
     *,
     send_grams: bool | None = None,
     send_fisher: Sequence[str] | None = None,
+    send_gaussians: bool | None = None,
 ) -> None:
     """Refuse (:class:`~fedfuse.federation.contract.SiteRefusal`) a run whose methods or
-    statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``
-    and ``send_fisher`` are what the server's train message asks (None: what the run's methods
-    read)."""
+    statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``,
+    ``send_fisher`` and ``send_gaussians`` are what the server's train message asks (None: what
+    the run's methods and settings read)."""
     methods = settings.fusion_methods()
     statistics = requested_statistics(methods, secure=settings.secure_aggregation)
     if send_grams is not None:
         statistics = (statistics - {"grams"}) | ({"grams"} if send_grams else set())
     if send_fisher is not None:
         statistics = (statistics - {"fisher"}) | ({"fisher"} if send_fisher else set())
+    if send_gaussians is None:
+        send_gaussians = bool(settings.gaussian_rank(methods))
+    if send_gaussians:
+        statistics.add("class-gaussians")
     policy.check_run(settings.method_names(), statistics, samples)
+
+
+def site_class_gaussians(
+    data: ImageDataset, rank: int, policy: SitePolicy | None = None
+) -> ClassGaussians:
+    """The site's class Gaussians of ``rank`` on its own data; a ``policy`` refuses a class
+    that holds fewer samples than its ``min-statistic-rows`` (its mean would say too much of
+    each record)."""
+    labels = torch.as_tensor(data.labels).long()
+    gaussians = fit_class_gaussians(data.inputs(), labels, data.num_classes, rank=rank)
+    if policy is not None:
+        for label, count in enumerate(gaussians.counts.tolist()):
+            if count:
+                policy.check_statistic(f"the Gaussian of class {label}", count, count, 0)
+    return gaussians
 
 
 def check_site_data(

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import logging
 import re
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
 import torch
+from torch import nn
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, FusionMethod
+from fedfuse.fusion.class_gaussians import ClassGaussians, GaussianFusionSet
+from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import (
     ContributionError,
@@ -60,6 +65,9 @@ class ClientUpload:
     #: the site's Fisher information (:func:`fedfuse.fusion.fisher.site_fisher`), when a
     #: method of the run reads it
     fisher: dict[str, torch.Tensor] | None = None
+    #: the site's class Gaussians (:mod:`fedfuse.fusion.class_gaussians`), when the run
+    #: completes its fusion set from them
+    class_gaussians: ClassGaussians | None = None
     #: wall time of the site's phases (load, train, score, grams), as the site reported it
     seconds: dict[str, float] = field(default_factory=dict)
     #: the site's name (its SuperNode's ``site-name`` node config; "" when it gave none)
@@ -72,8 +80,8 @@ class ClientUpload:
         return sum(self.payload_parts().values())
 
     def payload_parts(self) -> dict[str, int]:
-        """Bytes of each part of the upload (``weights``, ``scores``, ``grams``, ``fisher``), so
-        that a method's cost counts only the parts it reads."""
+        """Bytes of each part of the upload (``weights``, ``scores``, ``grams``, ``fisher``,
+        ``class_gaussians``), so that a method's cost counts only the parts it reads."""
 
         def size(tensors: Iterable[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
@@ -83,6 +91,7 @@ class ClientUpload:
             "scores": size(self.scores.values()),
             "grams": size((self.grams or {}).values()),
             "fisher": size((self.fisher or {}).values()),
+            "class_gaussians": 0 if self.class_gaussians is None else self.class_gaussians.nbytes,
         }
 
     def facts(self) -> dict[str, Any]:
@@ -148,6 +157,7 @@ class StoredUpload:
     source: str
     facts: dict[str, Any]
     has_fisher: bool = False
+    has_class_gaussians: bool = False
 
 
 class UploadStore:
@@ -162,6 +172,23 @@ class UploadStore:
         self.directory = Path(directory)
         self.expected_spec = expected_spec
         self._entries: dict[int, StoredUpload] = {}
+
+    @classmethod
+    def for_run(
+        cls, store: UploadStore | str | Path | None, expected_spec: ModelSpec | None = None
+    ) -> UploadStore:
+        """A run's store: ``store`` itself (given ``expected_spec`` if it has none), or a new
+        subfolder of the folder ``store`` (None: of a temporary folder), so none is reused."""
+        if isinstance(store, UploadStore):
+            if expected_spec is not None and store.expected_spec is None:
+                store.expected_spec = expected_spec
+            return store
+        if store is None:
+            folder = tempfile.mkdtemp(prefix="fedfuse-uploads-")
+        else:
+            Path(store).mkdir(parents=True, exist_ok=True)
+            folder = tempfile.mkdtemp(prefix=time.strftime("run-%Y%m%d-%H%M%S-"), dir=store)
+        return cls(folder, expected_spec=expected_spec)
 
     # ------------------------------------------------------------------ writing
     def add(
@@ -197,6 +224,9 @@ class UploadStore:
             scores=upload.scores or None,
             grams=upload.grams,
             fisher=upload.fisher,
+            class_gaussians=None
+            if upload.class_gaussians is None
+            else upload.class_gaussians.to_tensors(),
             metadata={**(metadata or {}), **facts},
         )
         self.expected_spec = self.expected_spec or spec
@@ -211,6 +241,7 @@ class UploadStore:
             source=source,
             facts=facts,
             has_fisher=upload.fisher is not None,
+            has_class_gaussians=upload.class_gaussians is not None,
         )
         self._entries[pid] = entry
         return entry
@@ -281,6 +312,7 @@ class UploadStore:
                 source=str(meta.get("source", path)),
                 facts={k: v for k, v in meta.items() if k not in ("settings",)},
                 has_fisher=with_fisher,
+                has_class_gaussians=_has_prefix(path, "gaussians."),
             )
         return store
 
@@ -325,10 +357,35 @@ class UploadStore:
 
         return LazySequence(len(paths), load)
 
+    def class_gaussians(self) -> list[ClassGaussians] | None:
+        """Every site's class Gaussians (small), checked as read; None unless all sent them.
+
+        Raises:
+            CheckpointError: naming the site file whose Gaussians are unusable.
+        """
+        entries = self.entries
+        if not entries or not all(e.has_class_gaussians for e in entries):
+            return None
+        return [_class_gaussians(e.path) for e in entries]
+
     def scores(self) -> list[Scores] | None:
         """Every site's importance scores; None unless all sent them."""
         scores = [e.scores for e in self.entries]
         return None if any(s is None for s in scores) else scores  # type: ignore[return-value]
+
+
+def _class_gaussians(path: Path) -> ClassGaussians:
+    checkpoint = load_checkpoint(path, with_class_gaussians=True)
+    spec = checkpoint.model.spec
+    try:
+        return ClassGaussians.from_tensors(
+            checkpoint.class_gaussians or {},
+            spec.input_shape,
+            num_classes=spec.num_classes,
+            source=str(path),
+        )
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def _has_prefix(path: Path, prefix: str) -> bool:
@@ -378,6 +435,46 @@ def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) ->
         grams=[u.grams for u in uploads] if all(u.grams for u in uploads) else None,
         fisher=[u.fisher for u in uploads] if all(u.fisher for u in uploads) else None,
     )
+
+
+def uploaded_class_gaussians(
+    uploads: UploadStore | Sequence[ClientUpload],
+) -> list[ClassGaussians] | None:
+    """Every site's class Gaussians, by partition id (a store) or in order; None unless every
+    site sent them."""
+    if isinstance(uploads, UploadStore):
+        return uploads.class_gaussians()
+    return _all_or_none([u.class_gaussians for u in uploads])
+
+
+def complete_fusion_set(
+    models: Sequence[nn.Module],
+    inputs: FusionInputs,
+    uploads: UploadStore | Sequence[ClientUpload],
+    *,
+    inversion: InvertedFusionSet | None = None,
+    gaussians: GaussianFusionSet | None = None,
+) -> FusionInputs:
+    """``inputs`` with the fusion set completed as the run asks: rows inverted from the
+    uploaded models' BatchNorm statistics, then rows drawn from the sites' uploaded class
+    Gaussians (either None: not). Unchanged without a fusion set.
+
+    Raises:
+        ValueError: the run draws from class Gaussians and a site sent none.
+    """
+    if inputs.data is None:
+        return inputs
+    if inversion is not None:
+        inputs = inversion.complete_inputs(models, inputs, upload_facts(uploads).class_counts)
+    if gaussians is not None:
+        sent = uploaded_class_gaussians(uploads)
+        if sent is None:
+            raise ValueError(
+                "the fusion set is completed from the sites' class Gaussians "
+                "(fusion-gaussian-samples), and not every site sent them"
+            )
+        inputs = gaussians.complete_inputs(inputs, sent)
+    return inputs
 
 
 def _all_or_none(values: list[T | None]) -> list[T] | None:

@@ -514,6 +514,17 @@ def make_fusion_methods(
     return [make_fusion_method(name, **per_method[name]) for name in listed]
 
 
+def as_fusion_methods(
+    methods: str | FusionMethod | Sequence[str | FusionMethod],
+) -> list[FusionMethod]:
+    """Fusion methods from a comma list (``"kf-linear,regmean"``), names or instances."""
+    if isinstance(methods, str):
+        return make_fusion_methods(methods)
+    if isinstance(methods, FusionMethod):
+        return [methods]
+    return [m if isinstance(m, FusionMethod) else make_fusion_method(m) for m in methods]
+
+
 def split_method_options(
     names: Sequence[str], options: str, *, defaults: dict[str, Any] | None = None
 ) -> dict[str, dict[str, Any]]:

@@ -42,11 +42,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
+from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.inputs import FusionInputs
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,13 @@ class GaussianFusionSet:
         return replace(inputs, data=data, labels=labels)
 
 
+def upload_rank(completion: GaussianFusionSet | None, methods: Iterable[FusionMethod]) -> int:
+    """The rank of the class Gaussians the sites must upload for ``completion`` (0: none, also
+    when no method of the run reads a fusion set, so nothing is sent for nothing)."""
+    reads = any(method.needs() & {"data", "labels"} for method in methods)
+    return completion.rank if completion is not None and completion.samples > 0 and reads else 0
+
+
 __all__ = [
     "TENSOR_KEYS",
     "ClassGaussians",
@@ -313,4 +321,5 @@ __all__ = [
     "allocate",
     "fit_class_gaussians",
     "top_principal_components",
+    "upload_rank",
 ]

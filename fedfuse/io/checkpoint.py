@@ -2,7 +2,8 @@
 
 The file holds the model's tensors under ``model.<name>``, importance scores under
 ``scores.<level>``, optionally a site's level Gram matrices under ``grams.<level>`` and its
-Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.fisher`), and in the
+Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.fisher`), its class Gaussians
+under ``gaussians.<key>`` (:mod:`fedfuse.fusion.class_gaussians`), and in the
 safetensors header a JSON document with the architecture spec and whatever else the writer
 attaches (class counts, sample counts, provenance). Nothing is unpickled; loading checks every
 tensor's shape against the spec before building anything, and the loaded weights stay
@@ -50,6 +51,9 @@ class Checkpoint:
     grams: dict[int, torch.Tensor] | None = None
     #: the site's Fisher information by entry, when the file has it and it was asked for
     fisher: dict[str, torch.Tensor] | None = None
+    #: the site's class Gaussians as tensors (checked by ``ClassGaussians.from_tensors`` where
+    #: they are read), when the file has them and they were asked for
+    class_gaussians: dict[str, torch.Tensor] | None = None
 
 
 def save_checkpoint(
@@ -59,9 +63,11 @@ def save_checkpoint(
     scores: Scores | None = None,
     grams: dict[int, torch.Tensor] | None = None,
     fisher: dict[str, torch.Tensor] | None = None,
+    class_gaussians: dict[str, torch.Tensor] | None = None,
     metadata: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (and ``scores``, ``grams``, ``fisher``, ``metadata``) to ``path``
+    """Write ``model`` (and ``scores``, ``grams``, ``fisher``, ``class_gaussians``,
+    ``metadata``) to ``path``
     atomically.
 
     The file is written next to its destination and renamed into place, so an interrupted write
@@ -82,6 +88,8 @@ def save_checkpoint(
         tensors[f"grams.{level}"] = gram.detach().cpu().contiguous()
     for entry, tensor in (fisher or {}).items():
         tensors[f"fisher.{entry}"] = tensor.detach().cpu().contiguous()
+    for key, tensor in (class_gaussians or {}).items():
+        tensors[f"gaussians.{key}"] = tensor.detach().cpu().contiguous()
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={_METADATA_KEY: header})
     return path
@@ -93,6 +101,7 @@ def load_checkpoint(
     require_scores: bool = False,
     with_grams: bool = False,
     with_fisher: bool = False,
+    with_class_gaussians: bool = False,
 ) -> Checkpoint:
     """Read and validate a checkpoint written by :func:`save_checkpoint`.
 
@@ -103,6 +112,7 @@ def load_checkpoint(
             the file has none). Otherwise they are neither read nor checked.
         with_fisher: also load the Fisher information (``Checkpoint.fisher``; checked finite
             here, against the model where a method reads it).
+        with_class_gaussians: also load the class Gaussians' tensors (checked where read).
 
     Raises:
         CheckpointError: naming the file and the problem (not a safetensors file, missing or
@@ -126,6 +136,7 @@ def load_checkpoint(
                 for n in names
                 if (with_grams or not n.startswith("grams."))
                 and (with_fisher or not n.startswith("fisher."))
+                and (with_class_gaussians or not n.startswith("gaussians."))
             ]
             tensors = {name: handle.get_tensor(name) for name in wanted}
     except (SafetensorError, OSError, ValueError) as error:
@@ -160,10 +171,17 @@ def load_checkpoint(
         if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"{path}: Fisher entry {entry!r} is not finite floats")
     metadata = {k: v for k, v in document.items() if k not in ("format", "model")}
-    return Checkpoint(model=model, scores=scores, metadata=metadata, grams=grams, fisher=fisher)
+    return Checkpoint(
+        model=model,
+        scores=scores,
+        metadata=metadata,
+        grams=grams,
+        fisher=fisher,
+        class_gaussians=_strip(tensors, "gaussians.") or None,
+    )
 
 
-_PREFIXES = ("model.", "scores.", "grams.", "fisher.")
+_PREFIXES = ("model.", "scores.", "grams.", "fisher.", "gaussians.")
 
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

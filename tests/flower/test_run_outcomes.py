@@ -179,14 +179,6 @@ def test_a_missing_server_file_is_found_before_any_site_is_asked(files, tmp_path
     assert "no such file on the server" in report["error"]
 
 
-def test_class_gaussians_are_refused_before_any_site_is_asked(files, tmp_path, trained):
-    grid, context = _deployment(files, tmp_path, fusion_gaussian_samples=50)
-    with pytest.raises(ValueError, match="fusion-gaussian-samples.*runner=library"):
-        server_app.main(grid, context)
-    assert grid.pushed == [] and trained == []
-    assert _report(tmp_path)["failed_phase"] == "preflight"
-
-
 def test_a_failure_after_fusion_keeps_every_fused_model(files, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the evaluation crashed")

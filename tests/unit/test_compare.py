@@ -398,12 +398,11 @@ def test_class_gaussians_complete_the_fusion_set_in_a_row_of_their_own(tmp_path)
     # per class (10 of digits): a count, a noise variance, a mean and 4 loadings of 64 pixels
     assert row["gaussian_upload_bytes"] == 10 * 8 + 10 * 4 + 10 * 64 * 4 + 10 * 64 * 4 * 4
     assert row["gaussian_fusion_set_seconds"] >= 0
-    # the Flower runner has no class-Gaussian upload: refused before any site trains
-    flower = [*common, "runner=flower", f"output_dir={tmp_path / 'flower'}", *gaussians]
-    assert compare.main(flower) == 0
-    (failed,) = _rows_list(tmp_path / "flower" / "default")
-    assert failed["status"] == "failed" and "runner=library" in failed["error"]
-    assert not list((tmp_path / "flower").rglob("site_*.safetensors"))
+    # a method that reads no fusion set gets none of it: the sites send nothing more
+    fedavg = [*TINY, "sites=2", "partition=sharded", "method=fedavg", *gaussians]
+    assert compare.main([*fedavg, f"output_dir={tmp_path / 'fedavg'}"]) == 0
+    (plain,) = _rows_list(tmp_path / "fedavg" / "default")
+    assert plain["status"] == "ok" and plain["gaussian_upload_bytes"] is None
 
 
 def test_kf_trust_fuses_real_sites_on_a_balanced_fusion_set(tmp_path):
