@@ -30,7 +30,7 @@ from fedfuse.federation.policy import SitePolicy, requested_statistics
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
-from fedfuse.fusion.class_gaussians import ClassGaussians, fit_class_gaussians
+from fedfuse.fusion.class_gaussians import fit_class_gaussians
 from fedfuse.fusion.fisher import fisher_kinds, site_fisher
 from fedfuse.fusion.regmean import level_grams
 from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
@@ -163,6 +163,8 @@ def train_site(
             send_fisher=send_fisher,
             send_gaussians=bool(send_gaussians),
         )
+        if send_gaussians:  # each class's mean must sum over enough of the site's samples
+            check_class_rows(policy, site_data())
     if cached is not None:
         log.info("%s: trained model loaded from %s", name, cache)
         model, facts = cached.model, cached.facts
@@ -201,7 +203,10 @@ def train_site(
         clock.lap("fisher")
     gaussians = None  # sent only when the run completes its fusion set from them
     if send_gaussians:
-        gaussians = site_class_gaussians(site_data(), send_gaussians, policy)
+        labels = torch.as_tensor(site_data().labels).long()
+        gaussians = fit_class_gaussians(
+            site_data().inputs(), labels, site_data().num_classes, rank=send_gaussians
+        )
         clock.lap("class_gaussians")
     if cache is not None and (cached is None or data is not None):
         kept = grams if grams is not None else (cached.grams if cached else None)
@@ -279,19 +284,13 @@ def check_site_policy(
     policy.check_run(settings.method_names(), statistics, samples)
 
 
-def site_class_gaussians(
-    data: ImageDataset, rank: int, policy: SitePolicy | None = None
-) -> ClassGaussians:
-    """The site's class Gaussians of ``rank`` on its own data; a ``policy`` refuses a class
-    that holds fewer samples than its ``min-statistic-rows`` (its mean would say too much of
-    each record)."""
-    labels = torch.as_tensor(data.labels).long()
-    gaussians = fit_class_gaussians(data.inputs(), labels, data.num_classes, rank=rank)
-    if policy is not None:
-        for label, count in enumerate(gaussians.counts.tolist()):
-            if count:
-                policy.check_statistic(f"the Gaussian of class {label}", count, count, 0)
-    return gaussians
+def check_class_rows(policy: SitePolicy, data: ImageDataset) -> None:
+    """Refuse, before training, to send class Gaussians when a class the site holds has fewer
+    samples than ``policy``'s ``min-statistic-rows`` (its mean would say too much of each)."""
+    counts = torch.bincount(torch.as_tensor(data.labels).long(), minlength=data.num_classes)
+    for label, count in enumerate(counts.tolist()):
+        if count:
+            policy.check_statistic(f"the Gaussian of class {label}", count, count, 0)
 
 
 def check_site_data(

@@ -13,3 +13,19 @@ def task_identity(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """The names of the sites that trained a model."""
+    from fedfuse.federation import site as site_module
+
+    names = []
+    train = site_module._train
+
+    def recording(settings, data, seed, initial_state, name, clock):
+        names.append(name)
+        return train(settings, data, seed, initial_state, name, clock)
+
+    monkeypatch.setattr(site_module, "_train", recording)
+    return names

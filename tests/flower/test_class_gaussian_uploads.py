@@ -66,14 +66,15 @@ def test_a_site_whose_policy_keeps_its_class_gaussians_refuses_before_training(f
     assert 101 not in grid.trained()
 
 
-def test_a_site_with_too_few_samples_of_a_class_refuses_to_send_its_mean(files, tmp_path):
+def test_a_site_with_too_few_samples_of_a_class_refuses_to_send_its_mean(files, tmp_path, trained):
     policies = {0: {"min-statistic-rows": 60}}  # 479 samples, about 48 a class
     _, report, _ = run_hospitals(
         files, tmp_path, 3, policies, methods="kf-linear", fusion_gaussian_samples=20
     )
     sites = {site["site"]: site for site in report["sites"]}
-    assert sites["hospital-0"]["status"] != "uploaded"
+    assert sites["hospital-0"]["status"] == "refused"
     assert "the Gaussian of class" in sites["hospital-0"]["reason"]
+    assert "hospital-0" not in trained  # refused before it trained anything
 
 
 def test_a_site_sending_broken_class_gaussians_is_named_and_left_out(files, tmp_path):

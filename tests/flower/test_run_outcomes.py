@@ -16,7 +16,6 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedfuse.data import ImageDataset, load_dataset, save_npz_dataset
-from fedfuse.federation import site as site_module
 from fedfuse.federation.contract import DataContract, SiteRefusal
 from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
@@ -77,20 +76,6 @@ def _deployment(files, tmp_path, site_files=("site-0", "site-1"), **changes):
 
 def _report(tmp_path):
     return json.loads((tmp_path / "outputs" / "latest" / "results.json").read_text())
-
-
-@pytest.fixture
-def trained(monkeypatch):
-    """The names of the sites that trained a model."""
-    names = []
-    train = site_module._train
-
-    def recording(settings, data, seed, initial_state, name, clock):
-        names.append(name)
-        return train(settings, data, seed, initial_state, name, clock)
-
-    monkeypatch.setattr(site_module, "_train", recording)
-    return names
 
 
 def test_a_site_with_other_images_refuses_before_training_and_the_run_is_partial(
