@@ -18,9 +18,9 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.uploads import ClientUpload
-from fedfuse.fusion.fisher import FISHER_KINDS
-from fedfuse.fusion.privacy import GaussianStatistics
-from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest
+from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS
+from fedfuse.fusion.statistics.privacy import GaussianStatistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.io.validation import model_from_state
 from fedfuse.models import LeveledModel, ModelSpec
 
@@ -38,10 +38,11 @@ SECONDS_PREFIX = "seconds-"
 #: run reads them, :func:`fedfuse.federation.uploads.needs_grams`)
 SEND_GRAMS_KEY = "send-grams"
 #: train-message config key: the Fisher kinds the site uploads (a comma list of
-#: :data:`fedfuse.fusion.fisher.FISHER_KINDS`, "" for none; what the run's methods read)
+#: :data:`fedfuse.fusion.methods.averaging.fisher.FISHER_KINDS`, "" for none; what the run's methods
+#: read)
 SEND_FISHER_KEY = "send-fisher"
 #: train-message config key: the rank of the class Gaussians the site uploads (0: none; the run
-#: completes its fusion set from them, :mod:`fedfuse.fusion.class_gaussians`)
+#: completes its fusion set from them, :mod:`fedfuse.fusion.statistics.class_gaussians`)
 SEND_GAUSSIANS_KEY = "send-class-gaussians"
 #: train-message config key, to a plain ClientApp: the extras it should send (a comma list of
 #: :data:`fedfuse.federation.plain_site.EXTRAS`); reply record of those extras

@@ -33,7 +33,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
 from flwr.compat.common import recorddict_compat as compat
 
 from fedfuse.federation.site import answer_sum_request
-from fedfuse.fusion.summed_terms import SummedRequest
+from fedfuse.fusion.statistics.summed_terms import SummedRequest
 from fedfuse.runtime import configure_logging
 from fedfuse.settings.run import RunSettings
 

@@ -1,4 +1,4 @@
-"""Flower records of a round summed over sites (:mod:`fedfuse.fusion.summed_terms`): the
+"""Flower records of a round summed over sites (:mod:`fedfuse.fusion.statistics.summed_terms`): the
 server's request to one site.
 
 A request is either a statistics request (``kf-sites`` / ``hf-sites`` with
@@ -14,11 +14,11 @@ import json
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedfuse.fusion.fixed_point import FixedPoint
-from fedfuse.fusion.privacy import GaussianStatistics
-from fedfuse.fusion.regmean import GramTermsRequest
-from fedfuse.fusion.site_statistics import StatisticsRequest
-from fedfuse.fusion.summed_terms import SummedRequest
+from fedfuse.fusion.methods.regression.regmean import GramTermsRequest
+from fedfuse.fusion.statistics.fixed_point import FixedPoint
+from fedfuse.fusion.statistics.privacy import GaussianStatistics
+from fedfuse.fusion.statistics.rounds import StatisticsRequest
+from fedfuse.fusion.statistics.summed_terms import SummedRequest
 from fedfuse.io.validation import model_from_state
 from fedfuse.models import LeveledModel, ModelSpec
 

@@ -60,10 +60,10 @@ from fedfuse.federation.uploads import (
     needs_grams,
 )
 from fedfuse.fusion import FusionMethod, FusionResult, as_fusion_methods
-from fedfuse.fusion.class_gaussians import GaussianFusionSet, upload_rank
-from fedfuse.fusion.dense import SyntheticFusionSet
-from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.fusion.inversion import InvertedFusionSet
+from fedfuse.fusion.methods.averaging.fisher import fisher_kinds
+from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
+from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec
 from fedfuse.runtime import configure_logging
@@ -113,7 +113,8 @@ class OneShotFusion(Strategy):
         fusion_set: the server's fusion set: samples in the model's normalisation (a tensor, an
             ``(inputs, labels)`` pair, a ``DataLoader``), an ``ImageDataset``, a function of the
             sites' ``num-partitions`` (0 deployed) that returns one, or a ``SyntheticFusionSet``
-            (:mod:`fedfuse.fusion.dense`: made from the uploads). None: the methods need none.
+            (:mod:`fedfuse.fusion.methods.trained.dense`: made from the uploads). None: the methods
+            need none.
         input_shape: one input's shape, for tracing ``model_fn`` when no fusion set says it.
         client_extras: the plain ClientApp calls :func:`fedfuse.clients.add_fusion_extras`, so
             the methods' scores, class counts and Gram matrices are asked for and required.

@@ -1,6 +1,6 @@
 """Secure sums over the sites with Flower's SecAgg+ workflow (``secure-aggregation=true``).
 
-A round summed over sites (:mod:`fedfuse.fusion.summed_terms`: a statistics round of
+A round summed over sites (:mod:`fedfuse.fusion.statistics.summed_terms`: a statistics round of
 ``kf-sites`` / ``hf-sites`` with ``statistics="sums"``, or RegMean's ``grams="sums"``) runs
 Flower's own :class:`~flwr.server.workflow.SecAggPlusWorkflow`: its four stages (setup, share
 keys, collect masked vectors, unmask) as train messages, with Flower's key agreement, Shamir
@@ -11,8 +11,8 @@ send a ``FitIns``; :class:`_SummedRound` replaces it by fedfuse's request) and i
 SecAgg+ averages weighted vectors; each site gives weight 1 (``max_weight`` 1, so no weight
 is rounded), and the server multiplies the average by the number of sites it holds. The
 values are clipped to the range of the request's fixed units and rounded to
-:func:`~fedfuse.fusion.fixed_point.quantization_levels` levels. A site may drop out: SecAgg+
-rebuilds its masks when at least ``secure-threshold`` of its key shares (one per other site)
+:func:`~fedfuse.fusion.statistics.fixed_point.quantization_levels` levels. A site may drop out:
+SecAgg+ rebuilds its masks when at least ``secure-threshold`` of its key shares (one per other site)
 come back, and its terms count when they arrived before it dropped.
 
 The workflow drives a legacy ``Strategy`` through a ``LegacyContext``; fedfuse gives it the two
@@ -37,7 +37,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.serverapp import Grid
 
 from fedfuse.fusion import FusionMethod
-from fedfuse.fusion.fixed_point import MODULUS, quantization_levels
+from fedfuse.fusion.statistics.fixed_point import MODULUS, quantization_levels
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ from fedfuse.federation.provenance import DATA_FILE_KEYS, data_files, fused_mode
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod, FusionResult
-from fedfuse.fusion.dense import SyntheticFusionSet
 from fedfuse.fusion.inversion import check_invertible
+from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
 from fedfuse.io.atomic import write_json
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import ModelSpec, build_model

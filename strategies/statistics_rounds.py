@@ -1,4 +1,4 @@
-"""Statistics rounds over Flower: the :class:`~fedfuse.fusion.site_statistics.SiteChannel` of a
+"""Statistics rounds over Flower: the :class:`~fedfuse.fusion.statistics.rounds.SiteChannel` of a
 Flower run, used by methods fitted on the sites' data (``kf-sites``, ``hf-sites``).
 
 After the train round, such a method asks for one round per linear piece of each level (an
@@ -26,8 +26,13 @@ from fedfuse.clients.records import (
     unpack_statistics,
 )
 from fedfuse.clients.sum_records import pack_sum_request
-from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, check_reply
-from fedfuse.fusion.summed_terms import SiteSums, SummedRequest, add_terms, statistics_terms
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, check_reply
+from fedfuse.fusion.statistics.summed_terms import (
+    SiteSums,
+    SummedRequest,
+    add_terms,
+    statistics_terms,
+)
 from fedfuse.models import LeveledModel
 
 from .messaging import replies_by_site
@@ -122,8 +127,9 @@ class FlowerSites:
         return answers
 
     def sum_terms(self, summed: SummedRequest) -> SiteSums:
-        """One round summed over the sites (:func:`~fedfuse.fusion.summed_terms.sum_over_sites`):
-        with SecAgg+ when the channel is secure, else each site's checked statistics added."""
+        """One round summed over the sites
+        (:func:`~fedfuse.fusion.statistics.summed_terms.sum_over_sites`): with SecAgg+ when the
+        channel is secure, else each site's checked statistics added."""
         started = time.monotonic()
         request = summed.request
         statistics = isinstance(request, StatisticsRequest)

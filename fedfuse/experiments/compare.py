@@ -26,8 +26,8 @@ The paper's optional steps have rows of their own, never mixed into the zero-sho
   (:mod:`fedfuse.fusion.inversion`); a row of its own, labelled ``<method> +inv(xN)``.
 * ``fusion_set.gaussian_samples=N``: every site also uploads its class Gaussians (a rank-
   ``fusion_set.gaussian_rank`` PPCA of its inputs per class), and the fusion set is completed
-  with ``N`` rows per site drawn from them (:mod:`fedfuse.fusion.class_gaussians`); a row of
-  its own, labelled ``<method> +gauss(xN)``, with the bytes each site uploads for them.
+  with ``N`` rows per site drawn from them (:mod:`fedfuse.fusion.statistics.class_gaussians`); a row
+  of its own, labelled ``<method> +gauss(xN)``, with the bytes each site uploads for them.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from fedfuse.federation.uploads import (
     fusion_inputs,
     needs_grams,
 )
-from fedfuse.fusion.dense import SyntheticFusionSet
-from fedfuse.fusion.fisher import fisher_kinds
 from fedfuse.fusion.inversion import check_invertible
-from fedfuse.fusion.site_statistics import LocalSites, statistics_round_bytes
+from fedfuse.fusion.methods.averaging.fisher import fisher_kinds
+from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
+from fedfuse.fusion.statistics.rounds import LocalSites, statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.models import build_model

@@ -26,7 +26,7 @@ from torch import nn
 from fedfuse.data import ImageDataset, load_dataset
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import ModelAdapter, importance_scores
 from fedfuse.partitions import partition_labels, sample_fusion_set
 from fedfuse.runtime import configure_logging

@@ -24,8 +24,8 @@ from torch import nn
 
 from fedfuse.data.tensors import SampleSource, collect_samples
 from fedfuse.fusion import FusionMethod
-from fedfuse.fusion.fisher import FISHER_KINDS, fisher_kinds, site_fisher
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, fisher_kinds, site_fisher
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
 

@@ -28,7 +28,7 @@ from fedfuse.federation.contract import SiteRefusal
 #: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum), and
 #: its Fisher information with its upload (Fisher merging, FedFisher), and its class Gaussians
 #: with its upload (a mean and a low-rank covariance of its inputs per class, when the run
-#: completes its fusion set from them: :mod:`fedfuse.fusion.class_gaussians`)
+#: completes its fusion set from them: :mod:`fedfuse.fusion.statistics.class_gaussians`)
 STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher", "class-gaussians")
 
 #: node-config key -> what it sets (the keys are listed in ``docs/deployment.md``)

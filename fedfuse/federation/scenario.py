@@ -135,7 +135,8 @@ class Scenario:
         if s.synthetic_fusion_set:
             raise ValueError(
                 "fusion-source='synthetic': the fusion set is generated from the sites' "
-                "uploaded models (fedfuse.fusion.dense.SyntheticFusionSet), not sampled"
+                "uploaded models (fedfuse.fusion.methods.trained.dense.SyntheticFusionSet), "
+                "not sampled"
             )
         source: int | str = "all" if s.fusion_source == "all" else int(s.fusion_source)
         if isinstance(source, int) and source >= self.num_clients:

@@ -30,11 +30,11 @@ from fedfuse.federation.policy import SitePolicy, requested_statistics
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.uploads import ClientUpload, needs_grams
-from fedfuse.fusion.class_gaussians import fit_class_gaussians
-from fedfuse.fusion.fisher import fisher_kinds, site_fisher
-from fedfuse.fusion.regmean import level_grams
-from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
-from fedfuse.fusion.summed_terms import SummedRequest, site_sources, terms_from_sources
+from fedfuse.fusion.methods.averaging.fisher import fisher_kinds, site_fisher
+from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.class_gaussians import fit_class_gaussians
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.summed_terms import SummedRequest, site_sources, terms_from_sources
 from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
 from fedfuse.models import LeveledModel, build_model
@@ -331,7 +331,7 @@ def answer_statistics_request(
     policy: SitePolicy | None = None,
 ) -> SiteStatistics:
     """One statistics round of a site: the statistics of its own model and the fused prefix on
-    its own training data (:func:`~fedfuse.fusion.site_statistics.site_statistics`). A
+    its own training data (:func:`~fedfuse.fusion.statistics.rounds.site_statistics`). A
     statistic that breaks the site's ``policy`` is refused
     (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
     data = load_site_data(settings, partition_id, num_partitions, data_path)
@@ -370,11 +370,11 @@ def answer_sum_request(
     policy: SitePolicy | None = None,
     sources: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], Mapping[str, torch.Tensor]]:
-    """A site's part of a round summed over sites (:mod:`fedfuse.fusion.summed_terms`): its
-    terms, or their norms, in the round's fixed units when it has them (a secure sum), and the
-    numbers they were read from (:func:`~fedfuse.fusion.summed_terms.site_sources`; given
-    ``sources`` of the same round's first step, they are read again, not recomputed). A
-    statistic that breaks the site's ``policy`` is refused, as in a statistics round."""
+    """A site's part of a round summed over sites (:mod:`fedfuse.fusion.statistics.summed_terms`):
+    its terms, or their norms, in the round's fixed units when it has them (a secure sum), and the
+    numbers they were read from (:func:`~fedfuse.fusion.statistics.summed_terms.site_sources`; given
+    ``sources`` of the same round's first step, they are read again, not recomputed). A statistic
+    that breaks the site's ``policy`` is refused, as in a statistics round."""
     request = summed.request
     if sources is None:
         data = load_site_data(settings, partition_id, num_partitions, data_path)

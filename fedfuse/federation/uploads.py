@@ -28,8 +28,8 @@ from torch import nn
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, FusionMethod
-from fedfuse.fusion.class_gaussians import ClassGaussians, GaussianFusionSet
 from fedfuse.fusion.inversion import InvertedFusionSet
+from fedfuse.fusion.statistics.class_gaussians import ClassGaussians, GaussianFusionSet
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import (
     ContributionError,
@@ -62,10 +62,10 @@ class ClientUpload:
     init: str
     train_loss: float
     grams: dict[int, torch.Tensor] | None = None
-    #: the site's Fisher information (:func:`fedfuse.fusion.fisher.site_fisher`), when a
-    #: method of the run reads it
+    #: the site's Fisher information (:func:`fedfuse.fusion.methods.averaging.fisher.site_fisher`),
+    #: when a method of the run reads it
     fisher: dict[str, torch.Tensor] | None = None
-    #: the site's class Gaussians (:mod:`fedfuse.fusion.class_gaussians`), when the run
+    #: the site's class Gaussians (:mod:`fedfuse.fusion.statistics.class_gaussians`), when the run
     #: completes its fusion set from them
     class_gaussians: ClassGaussians | None = None
     #: wall time of the site's phases (load, train, score, grams), as the site reported it

@@ -10,27 +10,15 @@ head weights, levels), ``matching`` (neuron costs and the Hungarian assignment),
 :mod:`fedfuse.training.loop`.
 """
 
-from fedfuse.fusion.averaging import FedAvg, VanillaAveraging, average_state_dicts
-from fedfuse.fusion.base import (
-    FUSION_METHODS,
-    FusionInputs,
-    FusionMethod,
-    FusionResult,
-    as_fusion_methods,
-    make_fusion_method,
-    make_fusion_methods,
-    parse_options,
-    register_fusion_method,
-)
-from fedfuse.fusion.cca_merge import CCAMerge
-from fedfuse.fusion.dense import Dense
-from fedfuse.fusion.distillation import KnowledgeDistillation, LinearProbe
-from fedfuse.fusion.fedma import FedMAMatching
-from fedfuse.fusion.fisher import FedFisherDiagonal, FedFisherKFAC, FisherMerging
-from fedfuse.fusion.fs_merge import FSMerge
-from fedfuse.fusion.git_rebasin import GitReBasin
-from fedfuse.fusion.gram_interpolation import GramInterpolation, HFGrams, KFGrams
-from fedfuse.fusion.neuron_interpolation import (
+from fedfuse.fusion.base import FusionInputs, FusionMethod, FusionResult
+from fedfuse.fusion.methods.averaging.fedavg import FedAvg, VanillaAveraging, average_state_dicts
+from fedfuse.fusion.methods.averaging.fisher import FedFisherDiagonal, FedFisherKFAC, FisherMerging
+from fedfuse.fusion.methods.matching.cca_merge import CCAMerge
+from fedfuse.fusion.methods.matching.fedma import FedMAMatching
+from fedfuse.fusion.methods.matching.git_rebasin import GitReBasin
+from fedfuse.fusion.methods.matching.otfusion import OTFusion
+from fedfuse.fusion.methods.matching.zipit import ZipIt
+from fedfuse.fusion.methods.neuron_interpolation import (
     GRADIENT_PRESETS,
     HFGradient,
     HFLinear,
@@ -38,18 +26,32 @@ from fedfuse.fusion.neuron_interpolation import (
     KFLinear,
     NeuronInterpolation,
 )
-from fedfuse.fusion.otfusion import OTFusion
-from fedfuse.fusion.regmean import RegMean
-from fedfuse.fusion.regmean_fusion_set import RegMeanFusionSet
-from fedfuse.fusion.site_interpolation import HFSites, KFSites, SiteInterpolation
-from fedfuse.fusion.site_statistics import (
+from fedfuse.fusion.methods.neuron_interpolation.grams import GramInterpolation, HFGrams, KFGrams
+from fedfuse.fusion.methods.neuron_interpolation.sites import HFSites, KFSites, SiteInterpolation
+from fedfuse.fusion.methods.neuron_interpolation.trusted import (
+    HFTrust,
+    KFTrust,
+    TrustedInterpolation,
+)
+from fedfuse.fusion.methods.regression.regmean import RegMean
+from fedfuse.fusion.methods.regression.regmean_fusion_set import RegMeanFusionSet
+from fedfuse.fusion.methods.trained.dense import Dense
+from fedfuse.fusion.methods.trained.distillation import KnowledgeDistillation, LinearProbe
+from fedfuse.fusion.methods.trained.fs_merge import FSMerge
+from fedfuse.fusion.options import parse_options
+from fedfuse.fusion.registry import (
+    FUSION_METHODS,
+    as_fusion_methods,
+    make_fusion_method,
+    make_fusion_methods,
+    register_fusion_method,
+)
+from fedfuse.fusion.statistics.rounds import (
     LocalSites,
     SiteStatistics,
     StatisticsRequest,
     site_statistics,
 )
-from fedfuse.fusion.trusted_interpolation import HFTrust, KFTrust, TrustedInterpolation
-from fedfuse.fusion.zipit import ZipIt
 
 __all__ = [
     "CCAMerge",

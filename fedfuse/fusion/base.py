@@ -1,4 +1,4 @@
-"""The interface every fusion method implements, and the registry that names them.
+"""The interface every fusion method implements (:class:`FusionMethod`) and its result.
 
 A fusion method is a class whose constructor takes exactly its hyper-parameters (so a Hydra
 config or a Flower run config instantiates it with no glue) and whose :meth:`FusionMethod.fuse`
@@ -8,14 +8,9 @@ new model. Methods never modify the models they are given.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import json
 import logging
-import math
 import time
-import types
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +19,11 @@ from typing import Any, ClassVar
 from torch import nn
 
 from fedfuse.fusion.blocks.alignment import affine_levels
-from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked, check_option_bounds
+from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
+from fedfuse.fusion.options import check_options, config_class_of, config_values
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
-from fedfuse.runtime import check_device, release_free_memory
+from fedfuse.runtime import release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +282,7 @@ class FusionMethod(ABC):
         """A frozen dataclass, ``<Class>Config``, whose fields are exactly the constructor's
         options with their type hints and defaults (built once per class). Its instances check
         their values' types as :func:`make_fusion_method` does, and pickle."""
-        config = _CONFIG_CLASSES.get(cls)
-        if config is None:
-            config = _CONFIG_CLASSES[cls] = _make_config_class(cls)
-        return config
+        return config_class_of(cls)
 
     @classmethod
     def from_config(cls, config: Any) -> FusionMethod:
@@ -297,14 +290,14 @@ class FusionMethod(ABC):
         a mapping of options (unknown options and wrong types are errors naming them)."""
         expected = cls.config_class()
         if isinstance(config, Mapping):
-            _check_options(cls, dict(config))
+            check_options(cls, dict(config))
             config = expected(**config)
         if not isinstance(config, expected):
             raise TypeError(
                 f"{cls.name}: from_config takes a {expected.__name__} or a mapping of options, "
                 f"got {type(config).__name__}"
             )
-        return cls(**_config_values(config))
+        return cls(**config_values(config))
 
     def config(self) -> Any:
         """This instance's options as its :meth:`config_class` (``from_config`` inverts it)."""
@@ -322,241 +315,6 @@ _INPUT_NEEDS = {
     "fisher": "the sites' Fisher information",
     "sites": "the sites themselves for statistics rounds (a Flower run, or LocalSites)",
 }
-
-FUSION_METHODS: dict[str, type[FusionMethod]] = {}
-
-
-def register_fusion_method(cls: type[FusionMethod]) -> type[FusionMethod]:
-    """Class decorator adding ``cls`` to :data:`FUSION_METHODS` under ``cls.name``."""
-    if cls.name in FUSION_METHODS:
-        raise ValueError(f"fusion method {cls.name!r} is registered twice")
-    FUSION_METHODS[cls.name] = cls
-    return cls
-
-
-_LITERALS = {"true": True, "false": False, "null": None, "none": None}
-
-
-def parse_options(assignments: str | Iterable[str]) -> dict[str, Any]:
-    """``"ridge=0.1 n_init=4"`` (or a list of ``key=value``) as a dict.
-
-    Values are decoded as JSON when they parse (numbers, quoted strings, lists); ``true``,
-    ``false``, ``null``/``none`` in any case; anything else stays a string, so ``preset=setting2``
-    works unquoted. Dashes in option names become underscores (a ``method.`` prefix keeps its
-    own). A key given twice is an error.
-    """
-    items = assignments.split() if isinstance(assignments, str) else list(assignments)
-    options: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        prefix, dot, name = key.strip().rpartition(".")
-        key = prefix + dot + name.replace("-", "_")  # a method prefix keeps its dashes
-        if not sep or not key:
-            raise ValueError(f"fusion option {item!r} is not of the form key=value")
-        if key in options:
-            raise ValueError(f"fusion option {key!r} is given twice")
-        if raw.strip().lower() in _LITERALS:
-            options[key] = _LITERALS[raw.strip().lower()]
-            continue
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        except RecursionError:
-            raise ValueError(f"fusion option {key!r}: value is nested too deeply") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"fusion option {key}={raw!r} must be a finite number")
-        options[key] = value
-    return options
-
-
-def _option_types(cls: type[FusionMethod]) -> dict[str, Any]:
-    """The type hints of the constructor that defines ``cls``'s options."""
-    init = cls.options_constructor()
-    try:
-        return typing.get_type_hints(init) if init is not None else {}
-    except (NameError, TypeError):  # an unresolvable annotation: fall back to the defaults
-        return {}
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    """Whether ``value`` fits the simple type ``hint`` (unknown hints: the constructor checks)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
-
-
-def _describe_hint(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe_hint(arg) for arg in typing.get_args(hint))
-    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
-
-
-def _check_option_types(cls: type[FusionMethod], options: dict[str, Any]) -> None:
-    """Reject values of another type than the option's annotation (``ridge="abc"``), or, for
-    an unannotated option, than its default; and device names that are not devices."""
-    hints = _option_types(cls)
-    defaults = cls.option_defaults()
-    for key, value in options.items():
-        hint = hints.get(key)
-        if hint is None:
-            default = defaults.get(key)
-            hint = type(default) if default is not None else None
-        if hint is not None and not _matches(value, hint):
-            raise ValueError(
-                f"fusion method {cls.name!r}: option {key}={value!r} must be "
-                f"{_describe_hint(hint)} (default {defaults.get(key)!r})"
-            )
-        if key == "device":
-            try:
-                check_device(value)
-            except ValueError as error:
-                raise ValueError(f"fusion method {cls.name!r}: option {error}") from None
-    check_option_bounds(cls, options)
-
-
-def _check_options(cls: type[FusionMethod], options: dict[str, Any]) -> None:
-    """Reject options ``cls``'s constructor does not take, and values of the wrong type."""
-    accepted = cls.accepted_options()
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"fusion method {cls.name!r} has no option(s) {unknown}; it accepts "
-            f"{accepted or 'none'}"
-        )
-    _check_option_types(cls, options)
-
-
-_CONFIG_CLASSES: dict[type, type] = {}
-
-
-def _config_values(config: Any) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _config_from_values(cls: type[FusionMethod], values: dict[str, Any]) -> Any:
-    """Unpickle a config: rebuild it through its method class (the dataclass is generated)."""
-    return cls.config_class()(**values)
-
-
-def _make_config_class(cls: type[FusionMethod]) -> type:
-    hints = _option_types(cls)
-    specs = []
-    for name, default in cls.option_defaults().items():
-        default_field = (
-            dataclasses.field() if default is inspect.Parameter.empty else field(default=default)
-        )
-        specs.append((name, hints.get(name, Any), default_field))
-
-    def __post_init__(self: Any) -> None:  # noqa: N807
-        _check_option_types(cls, _config_values(self))
-
-    def __reduce__(self: Any) -> tuple[Any, ...]:  # noqa: N807
-        return (_config_from_values, (cls, _config_values(self)))
-
-    name = f"{cls.__name__}Config"
-    config = dataclasses.make_dataclass(
-        name,
-        specs,
-        frozen=True,
-        namespace={"__post_init__": __post_init__, "__reduce__": __reduce__},
-    )
-    config.__module__ = cls.__module__
-    config.__doc__ = (
-        f"The options of :class:`{cls.__module__}.{cls.__name__}` (fusion method "
-        f"{getattr(cls, 'name', cls.__name__)!r}); see its docstring."
-    )
-    return config
-
-
-def make_fusion_method(name: str, **options: Any) -> FusionMethod:
-    """Instantiate the method registered as ``name``; unknown names or options are errors."""
-    try:
-        cls = FUSION_METHODS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown fusion method {name!r}; known: {sorted(FUSION_METHODS)}"
-        ) from None
-    _check_options(cls, options)
-    return cls(**options)
-
-
-def parse_method_names(names: str) -> list[str]:
-    """The method names of a comma list, ``"kf-linear, otfusion"`` -> ``["kf-linear",
-    "otfusion"]`` (blanks dropped; the names are not looked up). The one place such a list is
-    split: the run config's ``strategy``, ``fedfuse speed --methods``."""
-    return [n.strip() for n in names.split(",") if n.strip()]
-
-
-def make_fusion_methods(
-    names: str, options: str = "", *, defaults: dict[str, Any] | None = None
-) -> list[FusionMethod]:
-    """Several methods from ``"kf-linear,otfusion"`` and options ``"ridge=0.1 otfusion.reg=0.05"``.
-
-    An unprefixed option goes to every listed method that accepts it (it is an error if none
-    does); ``method.key=value`` goes to that method only. ``defaults`` (e.g. the run's
-    ``device``) go to every method that accepts them, unless an option sets them.
-    """
-    listed = parse_method_names(names)
-    if not listed:
-        raise ValueError("no fusion method named")
-    per_method = split_method_options(listed, options, defaults=defaults)
-    return [make_fusion_method(name, **per_method[name]) for name in listed]
-
-
-def as_fusion_methods(
-    methods: str | FusionMethod | Sequence[str | FusionMethod],
-) -> list[FusionMethod]:
-    """Fusion methods from a comma list (``"kf-linear,regmean"``), names or instances."""
-    if isinstance(methods, str):
-        return make_fusion_methods(methods)
-    if isinstance(methods, FusionMethod):
-        return [methods]
-    return [m if isinstance(m, FusionMethod) else make_fusion_method(m) for m in methods]
-
-
-def split_method_options(
-    names: Sequence[str], options: str, *, defaults: dict[str, Any] | None = None
-) -> dict[str, dict[str, Any]]:
-    """Per method of ``names``, its options from ``"k=v method.k=v ..."``: an unprefixed option
-    goes to every listed method that accepts it (an error if none does), ``method.key`` to that
-    method only (an error for a method not listed); ``defaults`` to every method that accepts
-    them, unless an option sets them. Unknown method names get what is addressed to them."""
-    shared: dict[str, Any] = {}
-    specific: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for key, value in (parse_options(options) if options else {}).items():
-        method, dot, option = key.rpartition(".")
-        if not dot:
-            shared[key] = value
-        elif method in specific:
-            specific[method][option] = value
-        else:
-            raise ValueError(
-                f"fusion option {key!r} names {method!r}, which is not in {list(names)}"
-            )
-    for key in shared:
-        if not any(
-            key in FUSION_METHODS[n].accepted_options() for n in names if n in FUSION_METHODS
-        ):
-            raise ValueError(f"fusion option {key!r} is accepted by none of {list(names)}")
-    result = {}
-    for name in names:
-        accepted = FUSION_METHODS[name].accepted_options() if name in FUSION_METHODS else []
-        applicable = {k: v for k, v in (defaults or {}).items() if k in accepted}
-        applicable.update({k: v for k, v in shared.items() if k in accepted})
-        applicable.update(specific[name])
-        result[name] = applicable
-    return result
 
 
 def plain_model_adapter(

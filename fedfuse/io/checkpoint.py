@@ -2,13 +2,13 @@
 
 The file holds the model's tensors under ``model.<name>``, importance scores under
 ``scores.<level>``, optionally a site's level Gram matrices under ``grams.<level>`` and its
-Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.fisher`), its class Gaussians
-under ``gaussians.<key>`` (:mod:`fedfuse.fusion.class_gaussians`), and in the
-safetensors header a JSON document with the architecture spec and whatever else the writer
+Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.methods.averaging.fisher`), its
+class Gaussians under ``gaussians.<key>`` (:mod:`fedfuse.fusion.statistics.class_gaussians`), and in
+the safetensors header a JSON document with the architecture spec and whatever else the writer
 attaches (class counts, sample counts, provenance). Nothing is unpickled; loading checks every
-tensor's shape against the spec before building anything, and the loaded weights stay
-memory-mapped from the file (pages are read when used and can be dropped again by the OS), so a
-server can hold a thousand sites' models without a thousand copies in RAM.
+tensor's shape against the spec before building anything, and the loaded weights stay memory-mapped
+from the file (pages are read when used and can be dropped again by the OS), so a server can hold a
+thousand sites' models without a thousand copies in RAM.
 """
 
 from __future__ import annotations

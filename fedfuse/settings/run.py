@@ -21,14 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedfuse.data import ImageDataset
-from fedfuse.fusion.base import (
-    FusionMethod,
-    make_fusion_methods,
-    parse_method_names,
-    parse_options,
-)
-from fedfuse.fusion.class_gaussians import GaussianFusionSet, upload_rank
+from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.inversion import InvertedFusionSet
+from fedfuse.fusion.options import parse_options
+from fedfuse.fusion.registry import make_fusion_methods, parse_method_names
+from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
 from fedfuse.models import ModelSpec, build_model, make_spec
 from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import check_device
@@ -403,7 +400,8 @@ class RunSettings:
     @property
     def synthetic_fusion_set(self) -> bool:
         """Whether the server's fusion set is generated from the uploaded models
-        (``fusion-source=synthetic``, :class:`~fedfuse.fusion.dense.SyntheticFusionSet`)."""
+        (``fusion-source=synthetic``,
+        :class:`~fedfuse.fusion.methods.trained.dense.SyntheticFusionSet`)."""
         return self.fusion_source == "synthetic"
 
     def fusion_methods(self) -> list[FusionMethod]:

@@ -1,9 +1,9 @@
 """Weight averaging, written once: a running weighted average of state dicts, in float64.
 
 It serves FedAvg of the sites' fine-tuned models (one more Flower round after fusion) and
-:func:`fedfuse.fusion.averaging.average_state_dicts` (vanilla averaging and FedAvg fusion).
-Models are added one at a time, so the server holds one model and the running sum, however many
-sites answer.
+:func:`fedfuse.fusion.methods.averaging.fedavg.average_state_dicts` (vanilla averaging and FedAvg
+fusion). Models are added one at a time, so the server holds one model and the running sum, however
+many sites answer.
 """
 
 from __future__ import annotations

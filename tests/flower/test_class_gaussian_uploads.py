@@ -110,7 +110,7 @@ def test_a_train_message_asking_for_a_malformed_rank_is_refused():
 
 
 def test_class_gaussians_are_refused_under_secure_aggregation_and_from_plain_apps():
-    from fedfuse.fusion.class_gaussians import GaussianFusionSet
+    from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
     from fedfuse.strategies import OneShotFusion
     from fedfuse.strategies.secure_sums import SecureSettings
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from fedfuse.cli.main import main
 from fedfuse.clients.records import GRAMS_KEY, METRICS_KEY, SITE_KEY, WEIGHTS_KEY, pack_upload
 from fedfuse.federation.uploads import ClientUpload, UploadStore
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import build_model, mlp_spec

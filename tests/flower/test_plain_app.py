@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedfuse.clients import add_fusion_extras, requested_extras
 from fedfuse.experiments.plain_models import TemplateNet
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import ModelAdapter
 from fedfuse.strategies import MethodsUnfit, OneShotFusion
 from tests.fakes import NodesGrid, reply_from

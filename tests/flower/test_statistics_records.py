@@ -13,7 +13,7 @@ from fedfuse.clients.records import (
     unpack_statistics,
     unpack_statistics_request,
 )
-from fedfuse.fusion.site_statistics import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, site_statistics
 from fedfuse.models import build_model, make_spec
 from tests.helpers import randn
 

@@ -10,7 +10,7 @@ import torch
 
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.blocks.alignment import permute_level
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import build_model, lenet5_spec, mlp_spec
 from fedfuse.models.affine import affine_view, fit_intercept
 

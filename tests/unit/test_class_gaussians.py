@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from fedfuse.fusion import make_fusion_method
-from fedfuse.fusion.class_gaussians import (
+from fedfuse.fusion.inputs import FusionInputs
+from fedfuse.fusion.statistics.class_gaussians import (
     ClassGaussians,
     GaussianFusionSet,
     allocate,
     fit_class_gaussians,
     top_principal_components,
 )
-from fedfuse.fusion.inputs import FusionInputs
 from fedfuse.models import ModelSpec, build_model
 
 

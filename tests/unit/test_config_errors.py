@@ -10,7 +10,7 @@ import pytest
 
 from fedfuse.cli.main import main
 from fedfuse.fusion import FUSION_METHODS, KFLinear, make_fusion_method
-from fedfuse.fusion.base import _option_types
+from fedfuse.fusion.options import _option_types
 from fedfuse.settings.run import RANGES, RunSettings
 
 

@@ -9,7 +9,11 @@ from torch import nn
 
 from fedfuse.data import load_dataset
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.dense import Generator, _BatchNormStatistics, synthesize_fusion_set
+from fedfuse.fusion.methods.trained.dense import (
+    Generator,
+    _BatchNormStatistics,
+    synthesize_fusion_set,
+)
 from fedfuse.models import build_model, make_spec
 from fedfuse.training.loop import TrainConfig, train
 

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
-from fedfuse.fusion.fedma import FedMAMatching
-from fedfuse.fusion.fedma_bbp import _client_gains
-from fedfuse.fusion.regmean import RegMean, level_grams
+from fedfuse.fusion.methods.matching.fedma import FedMAMatching
+from fedfuse.fusion.methods.matching.fedma_bbp import _client_gains
+from fedfuse.fusion.methods.regression.regmean import RegMean, level_grams
 from fedfuse.io.grams import full_gram
 from fedfuse.io.validation import ContributionError, validate_grams
 from fedfuse.models import LeveledModel, build_model, mlp_spec

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.fisher import (
+from fedfuse.fusion.methods.averaging.fisher import (
     check_fisher,
     fisher_kinds,
     kfac_layers,

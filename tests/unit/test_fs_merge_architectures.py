@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedfuse.fusion.base import FusionInputs
-from fedfuse.fusion.fs_merge import FSMerge, head_input
+from fedfuse.fusion.methods.trained.fs_merge import FSMerge, head_input
 from fedfuse.models import build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 
-from fedfuse.fusion.base import FUSION_METHODS, FusionInputs, make_fusion_method
-from fedfuse.fusion.distillation import (
+from fedfuse.fusion.base import FusionInputs
+from fedfuse.fusion.methods.trained.distillation import (
     KnowledgeDistillation,
     LinearProbe,
     distillation_loss,
     ensemble_log_probs,
 )
-from fedfuse.fusion.fs_merge import (
+from fedfuse.fusion.methods.trained.fs_merge import (
     FoldableMatrix,
     FoldableSuperNet,
     FSMerge,
@@ -23,6 +23,7 @@ from fedfuse.fusion.fs_merge import (
     on_channels,
     zipit_assignment,
 )
+from fedfuse.fusion.registry import FUSION_METHODS, make_fusion_method
 from fedfuse.models import LeveledModel, build_model, mlp_spec, vgg11_spec
 
 SPEC = mlp_spec((1, 4, 4), 3, (8, 6))

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from fedfuse.federation.uploads import needs_grams
 from fedfuse.fusion import HFGrams, KFGrams, KFSites, LocalSites, StatisticsRequest, site_statistics
-from fedfuse.fusion.gram_interpolation import design_map, gram_statistics
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.regmean_grams import level_grams
+from fedfuse.fusion.methods.neuron_interpolation.grams import design_map, gram_statistics
+from fedfuse.fusion.statistics.grams import level_grams
 from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
 from fedfuse.models.symmetry import permute_model, random_permutations

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion_method
-from fedfuse.fusion.averaging import average_state_dicts
 from fedfuse.fusion.blocks.alignment import permute_level
 from fedfuse.fusion.blocks.matching import (
     linear_assignment,
@@ -19,7 +18,8 @@ from fedfuse.fusion.blocks.matching import (
     one_to_one_labels,
     pair_labels,
 )
-from fedfuse.fusion.git_rebasin import match_neurons
+from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
+from fedfuse.fusion.methods.matching.git_rebasin import match_neurons
 from fedfuse.models import build_model, make_spec, mlp_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
 from fedfuse.models.capture import capture_levels
@@ -249,7 +249,7 @@ def test_many_models_levels_side_by_side_fit_as_the_levels_one_by_one(
     """When K-means clusters on principal coordinates, a linear level of every model is kept
     as one tensor whose transpose is the points (equal widths: the last level's tensor,
     overwritten); the fit is the one from separate tensors."""
-    from fedfuse.fusion.neuron_interpolation.methods import NeuronInterpolation
+    from fedfuse.fusion.methods.neuron_interpolation.methods import NeuronInterpolation
 
     spec = mlp_spec((1, 4, 4), 3, hidden)
     models = [build_model(spec, seed=seed) for seed in range(6)]

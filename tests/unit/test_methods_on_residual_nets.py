@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedfuse.fusion.base import FusionInputs, make_fusion_method
+from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.space_alignment import align_model
-from fedfuse.fusion.regmean import RegMean, level_grams, module_grams_layout
-from fedfuse.fusion.regmean_grams import align_grams
+from fedfuse.fusion.methods.regression.regmean import RegMean, level_grams, module_grams_layout
+from fedfuse.fusion.registry import make_fusion_method
+from fedfuse.fusion.statistics.grams import align_grams
 from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.io.validation import validate_grams
 from fedfuse.models import LeveledModel, build_model, make_spec

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedfuse.fusion import FusionInputs, make_fusion_method, pieces
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks import pieces
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
-from fedfuse.fusion.pieces import whitener, whitening_cutoff
+from fedfuse.fusion.blocks.pieces import whitener, whitening_cutoff
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 

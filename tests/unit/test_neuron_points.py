@@ -5,14 +5,14 @@ import torch
 
 from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.matching import linear_assignment
-from fedfuse.fusion.neuron_interpolation.grouping import (
+from fedfuse.fusion.methods.neuron_interpolation.grouping import (
     column_gram,
     gram_points,
     group_neurons,
     neuron_points,
     residual_labels,
 )
-from fedfuse.fusion.neuron_interpolation.sublayers import group_targets
+from fedfuse.fusion.methods.neuron_interpolation.sublayers import group_targets
 from fedfuse.models.affine import output_rows
 
 

@@ -35,7 +35,7 @@ def test_wheel_has_only_fedfuse_at_the_top_level(tmp_path):
     assert "fedfuse/strategies/server_app.py" in names
     for module in (
         "fedfuse/experiments/compare.py",
-        "fedfuse/fusion/otfusion.py",
+        "fedfuse/fusion/methods/matching/otfusion.py",
         "fedfuse/cli/main.py",
     ):
         assert module in names

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedfuse.data.tensors import collect_samples
 from fedfuse.experiments.plain_models import TemplateNet
 from fedfuse.federation.plain_site import compute_site_extras
-from fedfuse.fusion.regmean import level_grams
+from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.io.grams import full_gram
 from fedfuse.models import ModelAdapter
 

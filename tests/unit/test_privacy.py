@@ -10,14 +10,14 @@ import torch
 
 from fedfuse.clients.records import pack_statistics_request, unpack_statistics_request
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
-from fedfuse.fusion.privacy import (
+from fedfuse.fusion.statistics.privacy import (
     GaussianStatistics,
     calibrate_noise,
     clip_samples,
     noisy_moments,
     spent_epsilon,
 )
-from fedfuse.fusion.site_statistics import StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.rounds import StatisticsRequest, site_statistics
 from fedfuse.models import build_model, mlp_spec
 from tests.helpers import randn
 
@@ -178,8 +178,8 @@ def test_private_regmean_spends_its_budget_over_the_levels_with_seeded_noise():
 
 def test_private_regmean_needs_sums_and_affine_levels_and_its_mechanism_travels_without_seed():
     from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
-    from fedfuse.fusion.regmean import GramTermsRequest
-    from fedfuse.fusion.summed_terms import SummedRequest
+    from fedfuse.fusion.methods.regression.regmean import GramTermsRequest
+    from fedfuse.fusion.statistics.summed_terms import SummedRequest
     from fedfuse.models import resnet_spec
 
     with pytest.raises(ValueError, match="grams='sums'"):

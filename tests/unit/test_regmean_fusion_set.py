@@ -13,8 +13,8 @@ import torch
 from fedfuse.federation.uploads import needs_grams
 from fedfuse.fusion import RegMean, RegMeanFusionSet
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.regmean_fusion_set import WEIGHT_GRID
-from fedfuse.fusion.regmean_grams import level_grams
+from fedfuse.fusion.methods.regression.regmean_fusion_set import WEIGHT_GRID
+from fedfuse.fusion.statistics.grams import level_grams
 from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 from tests.helpers import randn

@@ -1,12 +1,15 @@
 """The Linear fit's ridge prior: the base models' own weights where the fusion rows do not span a
-level's inputs (``fedfuse.fusion.neuron_interpolation.prior``)."""
+level's inputs (``fedfuse.fusion.methods.neuron_interpolation.prior``)."""
 
 import pytest
 import torch
 from torch import nn
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.neuron_interpolation.prior import aligned_weight_centres, has_plain_levels
+from fedfuse.fusion.methods.neuron_interpolation.prior import (
+    aligned_weight_centres,
+    has_plain_levels,
+)
 from fedfuse.models import build_model, make_spec, mlp_spec
 from tests.helpers import permuted_copy
 

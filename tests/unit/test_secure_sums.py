@@ -15,9 +15,14 @@ from flwr.common.secure_aggregation.quantization import dequantize, quantize
 
 from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
 from fedfuse.fusion import FusionInputs, KFSites, LocalSites, StatisticsRequest
-from fedfuse.fusion.fixed_point import FixedPoint, quantization_levels
-from fedfuse.fusion.regmean import GramTermsRequest, RegMean, level_grams
-from fedfuse.fusion.summed_terms import NORMS_CLIP, SiteSums, SummedRequest, site_sum_terms
+from fedfuse.fusion.methods.regression.regmean import GramTermsRequest, RegMean, level_grams
+from fedfuse.fusion.statistics.fixed_point import FixedPoint, quantization_levels
+from fedfuse.fusion.statistics.summed_terms import (
+    NORMS_CLIP,
+    SiteSums,
+    SummedRequest,
+    site_sum_terms,
+)
 from fedfuse.models import build_model, mlp_spec, resnet_spec
 from fedfuse.strategies.secure_sums import check_secure_methods
 from tests.helpers import randn

@@ -10,8 +10,12 @@ import torch
 
 from fedfuse.clients.records import pack_statistics_request, unpack_statistics_request
 from fedfuse.fusion import FusionInputs, KFSites, LocalSites, StatisticsRequest, site_statistics
-from fedfuse.fusion.site_readings import fusion_set_readings, readings_from_groups
-from fedfuse.fusion.summed_terms import add_terms, statistics_from_terms, statistics_terms
+from fedfuse.fusion.statistics.readings import fusion_set_readings, readings_from_groups
+from fedfuse.fusion.statistics.summed_terms import (
+    add_terms,
+    statistics_from_terms,
+    statistics_terms,
+)
 from fedfuse.models import build_model, mlp_spec, resnet_spec
 from tests.helpers import randn
 
@@ -87,7 +91,7 @@ def test_sites_that_all_hold_the_same_model_get_it_back_from_sums():
 def test_sums_fit_as_the_per_site_fit_given_the_same_readings(monkeypatch):
     """With the readings found on the fusion set handed to the per-site fit, the two agree:
     the sum-only fit loses nothing but the per-site grouping."""
-    import fedfuse.fusion.site_interpolation as module
+    import fedfuse.fusion.methods.neuron_interpolation.sites as module
 
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
     data = [randn(20, 40, 1, 3, 3), randn(21, 35, 1, 3, 3)]

@@ -9,7 +9,7 @@ import pytest
 
 from fedfuse.cli.main import main
 from fedfuse.experiments import speed
-from fedfuse.fusion.base import FUSION_METHODS
+from fedfuse.fusion.registry import FUSION_METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

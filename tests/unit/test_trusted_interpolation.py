@@ -10,7 +10,7 @@ import torch
 
 from fedfuse.fusion import HFTrust, KFTrust, StatisticsRequest, site_statistics
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.trusted_interpolation import label_beliefs, trust_weights
+from fedfuse.fusion.methods.neuron_interpolation.trusted import label_beliefs, trust_weights
 from fedfuse.models import build_model, make_spec, mlp_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 from tests.helpers import randn
@@ -104,7 +104,9 @@ def test_a_fusion_set_missing_a_class_the_sites_hold_is_named(caplog):
     models = [build_model(SPEC, seed=s).eval() for s in (0, 1)]
     data = randn(1, 60, 1, 3, 3)
     labels = torch.arange(60) % 2  # shows classes 0 and 1, not 2
-    with caplog.at_level(logging.WARNING, logger="fedfuse.fusion.trusted_interpolation"):
+    with caplog.at_level(
+        logging.WARNING, logger="fedfuse.fusion.methods.neuron_interpolation.trusted"
+    ):
         KFTrust(use_scores=False, device="cpu").fuse(
             models,
             FusionInputs(data=data, labels=labels, class_counts=[[5, 5, 0], [0, 5, 5]]),

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fedfuse.fusion import CCAMerge, FSMerge, FusionInputs, ZipIt
-from fedfuse.fusion.cca_merge import EPSILON_GRID, canonical_map
-from fedfuse.fusion.fs_merge import zipit_assignment
+from fedfuse.fusion.methods.matching.cca_merge import EPSILON_GRID, canonical_map
+from fedfuse.fusion.methods.trained.fs_merge import zipit_assignment
 from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 from tests.helpers import randn

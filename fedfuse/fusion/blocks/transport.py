@@ -17,7 +17,7 @@ with POT (Flamary et al., JMLR 2021): the network simplex (``ot.emd``) or log-st
 Sinkhorn. :func:`row_stochastic` turns a plan into the barycentric map
 :math:`T = \operatorname{diag}(P^\ast \mathbf{1})^{-1} P^\ast` (rows = reference neurons) that
 OTFusion applies to a model's neurons, level by level
-(:mod:`fedfuse.fusion.otfusion`) or feature space by feature space
+(:mod:`fedfuse.fusion.methods.matching.otfusion`) or feature space by feature space
 (:func:`fedfuse.fusion.blocks.space_alignment.block_transport`).
 """
 

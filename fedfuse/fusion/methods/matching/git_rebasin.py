@@ -1,0 +1,541 @@
+r"""Git Re-Basin by activation matching (Ainsworth et al., 2022): permute, then average.
+
+Two models ``A`` and ``B``. At every hidden neuron level, with ``z^A_i`` and ``z^B_j`` the
+*pre-activations* of the neurons (the level outputs of the **original** models on the fusion set,
+as rows over samples and spatial positions; permuting the levels below does not change them),
+the permutation of ``B``'s neurons onto ``A``'s solves the linear assignment problem
+
+.. math::
+    \pi^\ast = \operatorname*{arg\,max}_{\pi \in S_n} \sum_i
+        \operatorname{corr}\bigl(z^A_i, z^B_{\pi(i)}\bigr)
+    \quad\text{(``cost="correlation"``, default)}
+    \qquad\text{or}\qquad
+    \pi^\ast = \operatorname*{arg\,min}_{\pi \in S_n} \sum_i
+        \bigl\lVert z^A_i - z^B_{\pi(i)} \bigr\rVert^2 \quad\text{(``"l2"``)},
+
+with :math:`\operatorname{corr}` the Pearson correlation over the rows (each neuron
+standardised), solved exactly by :func:`~fedfuse.fusion.blocks.matching.linear_assignment`
+(Hungarian). ``B``'s neurons are reordered with
+:func:`~fedfuse.fusion.blocks.alignment.permute_level` (the next level's inputs follow, so ``B``'s
+function is unchanged) and the two are averaged. The classifier's outputs (the classes) are never
+permuted.
+
+Averaging: uniform, or by sample counts, or (``weighted_average="auto"``, the default) whichever
+of the two fuses to the lower cross-entropy on the labelled fusion set
+(:func:`~fedfuse.fusion.inputs.fusion_set_loss`), or per neuron by importance
+(``use_scores``, the paper's App. C, as in Hungarian Fusion): with ``s^A_i`` and ``s^B_{\pi(i)}``
+the two matched neurons' scores (normalised to sum to 1 per model and level), and ``c_A, c_B``
+the model weights (uniform or sample counts),
+
+.. math::
+    \lambda_i = \frac{c_A s^A_i}{c_A s^A_i + c_B s^B_{\pi(i)}}, \qquad
+    (w_i, b_i) = \lambda_i (w^A_i, b^A_i) + (1 - \lambda_i)(w^B_{\pi(i)}, b^B_{\pi(i)}),
+
+where :math:`w_i` is neuron ``i``'s *whole* incoming weight row: the neuron's own weight applies
+to all its incoming weights (the next level's inputs are not reweighted by the previous level's
+scores). ``lambda_i = c_A / (c_A + c_B)`` when both scores are 0. The classifier rows are averaged
+with ``c_A, c_B`` only (class logits have no neuron scores to pair). Optionally followed by
+:func:`~fedfuse.fusion.blocks.repair.repair` with ``A`` and the permuted ``B`` and ``alpha = (c_A,
+c_B)``.
+
+More than two models: MergeMany (the paper's Alg. 3). Every model ``k`` carries a permutation
+``pi_k`` (start: the identity); a round visits the models in a random order (``seed``) and
+re-matches each one's neurons to the others as already aligned, the assignment minimising the
+``c``-weighted sum of its costs to them, :math:`\sum_{j \ne k} c_j\,C(z^j_{\pi_j(s)}, z^k_s)`
+(for ``"l2"``: matching to the others' weighted mean of aligned pre-activations, up to a
+constant; for ``"correlation"``: the summed correlations with each aligned model); rounds repeat
+until one moves nothing, or ``match_rounds`` of them
+(:func:`~fedfuse.fusion.blocks.matching.merge_many`). The paper runs MergeMany with weight
+matching, which couples the levels; activation matching does not (the pre-activations of the
+original models do not depend on the permutations below), so MergeMany runs level by level (or
+feature space by feature space). The permutations are then expressed with model 0's the identity
+(the fused neurons numbered like model 0's; no function changes), and all aligned models are
+averaged: uniformly, by sample counts, or per neuron by importance, :math:`\lambda_{k,i} \propto
+c_k s^k_{\pi_k(i)}`. For two models the rounds are not run: model 1 is matched once onto model 0,
+which is where MergeMany stops whichever model it visits first (the optimal assignment of one
+onto the other is each one's best reply; only when several assignments tie for the optimum
+could MergeMany's solver settle on another of them), so two models fuse exactly as before.
+
+Architectures. Models whose neuron levels are all affine (MLP, VGG) take the level path above,
+with every option. Any other model whose neuron symmetries
+:func:`~fedfuse.models.symmetry.feature_spaces` describes (ResNet, ViT) takes the feature-space
+path (:mod:`fedfuse.fusion.blocks.space_alignment`): per feature space (a ResNet residual stream or
+block interior; the ViT residual stream, each block's query/key dims, value dims and MLP hidden
+units), the same cost summed over the space's probes (every module output holding its
+features), the Hungarian permutation (per attention head for grouped spaces), applied to every
+axis of the space (BatchNorm buffers and LayerNorm parameters included), then the average. On
+that path the generic cost gives the same permutations as the level path on MLP/VGG (same
+features, same cost), but ``use_scores`` and ``repair`` (which fold into affine levels) are
+refused by :meth:`GitReBasin.check_architecture`.
+
+BatchNorm: with ``reset_batchnorm`` (default), the fused model's BatchNorm running statistics
+are recomputed on the fusion set
+(:func:`~fedfuse.fusion.blocks.batchnorm.reset_batchnorm_statistics`, the paper's "reset BN" and
+REPAIR's BatchNorm form); without it they are the averaged aligned statistics. Models without
+BatchNorm are unaffected.
+
+Reference: S. K. Ainsworth, J. Hayase, S. Srinivasa. "Git Re-Basin: Merging Models modulo
+Permutation Symmetries". ICLR 2023 (arXiv:2209.04836, 2022).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fedfuse.fusion.base import FusionInputs, FusionMethod
+from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
+from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
+from fedfuse.fusion.blocks.matching import (
+    correlation,
+    linear_assignment,
+    merge_many,
+    squared_distances,
+)
+from fedfuse.fusion.blocks.repair import repair as repair_model
+from fedfuse.fusion.blocks.space_alignment import (
+    align_model,
+    block_assignment,
+    check_feature_spaces,
+    pairwise_space_costs,
+)
+from fedfuse.fusion.inputs import (
+    averaging_candidates,
+    check_levels,
+    check_weighted_average,
+    fusion_set_loss,
+    resolve_scores,
+)
+from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
+from fedfuse.fusion.registry import register_fusion_method
+from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models.capture import capture_levels
+from fedfuse.models.importance import SCORE_METHODS
+from fedfuse.models.symmetry import permutation_matrix
+from fedfuse.runtime import resolve_device
+
+log = logging.getLogger(__name__)
+
+MATCHING_COSTS = ("correlation", "l2")
+
+
+def match_neurons(
+    a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
+) -> tuple[torch.Tensor, float]:
+    """The permutation of ``b``'s neurons onto ``a``'s and the mean matched cost.
+
+    Args:
+        a, b: level outputs ``(N, n, ...)`` (or ``(R, n)`` matrices, neurons as columns).
+        cost: ``"correlation"`` (maximise the summed correlation) or ``"l2"`` (minimise the
+            summed squared distance, divided by the rows).
+        batch_size: samples per float64 chunk.
+
+    Returns:
+        ``permutation`` (``b``'s neuron matched to ``a``'s neuron ``i``; use it with
+        :func:`~fedfuse.fusion.blocks.alignment.permute_level`) and the mean matched correlation or
+        squared distance.
+    """
+    matrix = cost_matrix(a, b, cost, batch_size)
+    permutation = linear_assignment(matrix)
+    matched = matrix[torch.arange(len(permutation)), permutation.to(matrix.device)].mean()
+    return permutation, float(-matched if cost == "correlation" else matched)
+
+
+def cost_matrix(
+    a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
+) -> torch.Tensor:
+    """``(n, n)`` float64 cost between ``a``'s and ``b``'s neurons: minus the correlation, or the
+    squared distance divided by the rows (arguments as :func:`match_neurons`)."""
+    if cost not in MATCHING_COSTS:
+        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"cannot permute {b.shape[1]} neurons onto {a.shape[1]}")
+    if cost == "correlation":
+        return -correlation(a, b, batch_size)
+    return squared_distances(a, b, batch_size)
+
+
+@register_fusion_method
+class GitReBasin(FusionMethod):
+    """Git Re-Basin, activation matching: permute model 1 onto model 0, then average; more
+    models: MergeMany (each model re-matched to the others until none moves), then average.
+
+    Args:
+        cost: ``"correlation"`` (default) or ``"l2"`` between pre-activations.
+        use_scores: average each matched pair of neurons with weights proportional to their
+            importance scores (the paper's App. C).
+        fallback_scores: score method on the fusion set when scores are used but none given.
+        weighted_average: the model weights ``c``, in MergeMany's costs and in the average:
+            ``False`` uniform (the paper's), ``True`` the sample counts (FedAvg's), or
+            ``"auto"`` (default): both, keeping the fused model with the lower cross-entropy
+            on the labelled fusion set (sites of unequal sizes favour the counts). The
+            activations and costs are computed once; MergeMany and the average run per
+            weighting, so a choice equals fusing with that weighting. Without labels, the
+            sample counts; without sample counts, uniform.
+        repair: apply REPAIR (Jordan et al., 2022) to the fused model (affine levels only).
+        reset_batchnorm: recompute the fused model's BatchNorm running statistics on the fusion
+            set (models with BatchNorm only; default on).
+        device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
+        batch_size_capture: samples per forward pass when capturing level outputs.
+        match_rounds: more than two models: most rounds of MergeMany (it stops earlier when a
+            round moves nothing).
+        seed: more than two models: seeds MergeMany's order of visits.
+
+    Details: ``weights`` (the model weights ``c``) and ``weighting`` (``"uniform"`` or
+    ``"samples"``); where ``"auto"`` chose, ``weighting_chosen`` and ``fusion_set_losses`` (per
+    weighting); and ``levels``: per hidden level its
+    ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row,
+    averaged over the pairs of models), ``moved`` (neurons not matched to their own index,
+    summed over models 1..N-1), ``permutation`` (model 1's; two models) or ``permutations``
+    (each model's, model 0's the identity; more), ``rounds`` (MergeMany's) and ``seconds``; on
+    the feature-space path ``spaces`` instead, the same per space (``matched`` averaged over
+    its probes), and ``path`` (``"levels"`` or ``"spaces"``) in both.
+    """
+
+    name = "git-rebasin"
+    requires = frozenset({"data"})
+    option_bounds = {"match_rounds": (1, 1_000)}
+
+    def __init__(
+        self,
+        cost: str = "correlation",
+        use_scores: bool = False,
+        fallback_scores: str = "uniform",
+        weighted_average: bool | str = "auto",
+        repair: bool = False,
+        reset_batchnorm: bool = True,
+        device: str = "auto",
+        batch_size_capture: int = 256,
+        match_rounds: int = 100,
+        seed: int = 0,
+    ) -> None:
+        if cost not in MATCHING_COSTS:
+            raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+        if fallback_scores not in SCORE_METHODS:
+            raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
+        check_weighted_average(self.name, weighted_average)
+        self.cost = cost
+        self.use_scores = use_scores
+        self.fallback_scores = fallback_scores
+        self.weighted_average = weighted_average
+        self.repair = repair
+        self.reset_batchnorm = reset_batchnorm
+        self.device = device
+        self.batch_size_capture = batch_size_capture
+        self.match_rounds = match_rounds
+        self.seed = seed
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
+        (ResNet, ViT), without ``use_scores`` or ``repair`` (per-level, affine-only options)."""
+        if _affine(model):
+            return
+        check_feature_spaces(model)
+        if self.use_scores:
+            raise ValueError(
+                "use_scores weighs neurons level by level, which needs affine levels; fuse "
+                "with use_scores=false (feature-space matching)"
+            )
+        if self.repair:
+            raise ValueError(
+                "repair folds its correction into affine levels; use repair=false (BatchNorm "
+                "statistics are recomputed on the fusion set with reset_batchnorm=true)"
+            )
+
+    def requirements(self) -> frozenset[str]:
+        return self.requires | ({"sample_counts"} if self.weighted_average is True else set())
+
+    def needs(self) -> frozenset[str]:
+        needed = set(self.requirements())
+        if self.use_scores:
+            needed.add("scores")
+            if self.fallback_scores != "uniform":
+                needed.add("labels")
+        if self.weighted_average == "auto":
+            needed |= {"labels", "sample_counts"}  # optional (the fallbacks)
+        return frozenset(needed)
+
+    def _fuse(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        if _affine(models[0]):
+            return self._fuse_levels(models, inputs, target)
+        return self._fuse_spaces(models, inputs, target)
+
+    def _fuse_levels(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """The fusion on the level path (affine levels)."""
+        return self._choose(self._level_fusions(models, inputs, target), inputs)
+
+    def _fuse_spaces(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """The fusion on the feature-space path (any model with feature spaces)."""
+        return self._choose(self._space_fusions(models, inputs, target), inputs)
+
+    def _choose(
+        self, fusions: dict[str, tuple[LeveledModel, dict[str, Any]]], inputs: FusionInputs
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Reset BatchNorm statistics; of several weightings', the lowest fusion-set loss."""
+        losses: dict[str, float] = {}
+        for weighting, (fused, details) in fusions.items():
+            if self.reset_batchnorm and has_batchnorm(fused):
+                assert inputs.data is not None
+                started = time.perf_counter()
+                reset_batchnorm_statistics(
+                    fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
+                )
+                details["reset_batchnorm_seconds"] = time.perf_counter() - started
+            if len(fusions) > 1:
+                losses[weighting] = fusion_set_loss(fused, inputs, self.batch_size_capture)
+        if not losses:
+            return next(iter(fusions.values()))
+        chosen = min(losses, key=losses.__getitem__)
+        fused, details = fusions[chosen]
+        details.update(weighting_chosen=chosen, fusion_set_losses=losses)
+        log.info("%s: %s weights (fusion-set losses %s)", self.name, chosen, losses)
+        return fused, details
+
+    def _space_fusions(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
+        """Match every feature space of the models (MergeMany), permute, average: per
+        candidate weighting, on the same costs."""
+        weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
+        device = resolve_device(self.device)
+        assert inputs.data is not None
+        spaces = check_feature_spaces(models[0])
+        details = {
+            weighting: {
+                "path": "spaces",
+                "weighting": weighting,
+                "weights": weights,
+                "cost": self.cost,
+                "spaces": [],
+            }
+            for weighting, weights in weightings.items()
+        }
+        maps = {weighting: [{} for _ in models] for weighting in weightings}
+        for position, space in enumerate(spaces):
+            started = time.perf_counter()
+            costs = pairwise_space_costs(
+                models,
+                inputs.data,
+                space,
+                self.cost,
+                batch_size=self.batch_size_capture,
+                device=device,
+            )
+            cost_seconds = time.perf_counter() - started
+            for weighting, weights in weightings.items():
+                started = time.perf_counter()
+                permutations, rounds = merge_many(
+                    costs,
+                    weights,
+                    rounds=self.match_rounds,
+                    seed=self.seed + position,
+                    assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
+                )
+                matched = _matched(costs, permutations) / len(space.probes)
+                for model_maps, permutation in zip(
+                    maps[weighting][1:], permutations[1:], strict=True
+                ):
+                    model_maps[space.name] = permutation_matrix(permutation)
+                seconds = cost_seconds + time.perf_counter() - started
+                details[weighting]["spaces"].append(
+                    {
+                        "space": space.name,
+                        "matched": -matched if self.cost == "correlation" else matched,
+                        **_moves(permutations, rounds),
+                        "seconds": seconds,
+                    }
+                )
+                log.debug(
+                    "%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds
+                )
+        fusions = {}
+        for weighting, weights in weightings.items():
+            aligned = [models[0]] + [
+                align_model(m, model_maps, spaces)
+                for m, model_maps in zip(models[1:], maps[weighting][1:], strict=True)
+            ]
+            fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+            fused.load_state_dict(average_state_dicts(aligned, weights))
+            fusions[weighting] = (fused, details[weighting])
+        return fusions
+
+    def _level_fusions(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
+        """Match every hidden level of the models (MergeMany), permute, average: per candidate
+        weighting, on the same costs."""
+        weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
+        levels = check_levels(self.name, models)
+        hidden = levels[:-1]
+        device = resolve_device(self.device)
+        assert inputs.data is not None
+        scores = (
+            resolve_scores(
+                self.name, models, inputs, fallback=self.fallback_scores, device=self.device
+            )
+            if self.use_scores
+            else None
+        )
+        captured = [
+            capture_levels(
+                m,
+                inputs.data,
+                hidden,
+                batch_size=self.batch_size_capture,
+                device=device,
+                store_device=device,
+                keep_inputs=False,
+            )
+            for m in models
+        ]
+        permuted = {
+            weighting: [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
+            for weighting in weightings
+        }
+        details = {
+            weighting: {
+                "path": "levels",
+                "weighting": weighting,
+                "weights": weights,
+                "cost": self.cost,
+                "levels": [],
+            }
+            for weighting, weights in weightings.items()
+        }
+        lambdas: dict[str, dict[int, torch.Tensor]] = {weighting: {} for weighting in weightings}
+        for index in hidden:
+            started = time.perf_counter()
+            outputs = [c[index].outputs for c in captured]
+            costs = {
+                (i, j): cost_matrix(
+                    outputs[i], outputs[j], self.cost, self.batch_size_capture
+                ).cpu()
+                for i in range(len(models))
+                for j in range(i + 1, len(models))
+            }
+            cost_seconds = time.perf_counter() - started
+            for weighting, weights in weightings.items():
+                started = time.perf_counter()
+                permutations, rounds = merge_many(
+                    costs, weights, rounds=self.match_rounds, seed=self.seed + index
+                )
+                for model, permutation in zip(
+                    permuted[weighting][1:], permutations[1:], strict=True
+                ):
+                    permute_level(model, index, permutation)
+                if scores is not None:
+                    lambdas[weighting][index] = _score_lambdas(
+                        [w * s[index].double().cpu() for w, s in zip(weights, scores, strict=True)],
+                        permutations,
+                        weights,
+                    )
+                matched = _matched(costs, permutations)
+                seconds = cost_seconds + time.perf_counter() - started
+                details[weighting]["levels"].append(
+                    {
+                        "level": models[0].level_name(index),
+                        "matched": -matched if self.cost == "correlation" else matched,
+                        **_moves(permutations, rounds),
+                        "seconds": seconds,
+                    }
+                )
+                log.debug("%s level %s: matched %.4g (%.3f s)", self.name, index, matched, seconds)
+        del captured
+        fusions = {}
+        for weighting, weights in weightings.items():
+            fused = _average(permuted[weighting], target, weights, lambdas[weighting])
+            if self.repair:
+                started = time.perf_counter()
+                repair_model(
+                    fused,
+                    permuted[weighting],
+                    inputs.data,
+                    weights,
+                    batch_size=self.batch_size_capture,
+                    device=device,
+                )
+                details[weighting]["repair_seconds"] = time.perf_counter() - started
+            fusions[weighting] = (fused, details[weighting])
+        return fusions
+
+
+def _affine(model: LeveledModel) -> bool:
+    """Whether every neuron level of ``model`` is affine (the level path applies)."""
+    try:
+        affine_levels(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _matched(costs: dict[tuple[int, int], torch.Tensor], permutations: list[torch.Tensor]) -> float:
+    """The mean cost of the aligned neurons, averaged over the pairs of models."""
+    means = [float(cost[permutations[i], permutations[j]].mean()) for (i, j), cost in costs.items()]
+    return sum(means) / len(means)
+
+
+def _moves(permutations: list[torch.Tensor], rounds: int) -> dict[str, Any]:
+    """The details of one level's (or space's) permutations."""
+    identity = torch.arange(len(permutations[0]))
+    moves: dict[str, Any] = {
+        "moved": sum(int((p != identity).sum()) for p in permutations[1:]),
+        "rounds": rounds,
+    }
+    if len(permutations) == 2:
+        moves["permutation"] = permutations[1].tolist()
+    else:
+        moves["permutations"] = [p.tolist() for p in permutations]
+    return moves
+
+
+def _score_lambdas(
+    scores: list[torch.Tensor], permutations: list[torch.Tensor], weights: list[float]
+) -> torch.Tensor:
+    """``(models, n)`` per-neuron averaging weights ``c_k s^k_{pi_k(i)}`` over their sum (the
+    model weights where all are 0); the last row is 1 minus the others."""
+    aligned = [s[p] for s, p in zip(scores, permutations, strict=True)]
+    total = sum(aligned)
+    assert isinstance(total, torch.Tensor)
+    rows = [
+        torch.where(total > 0, a / total.clamp_min(1e-300), torch.tensor(w))
+        for a, w in zip(aligned[:-1], weights[:-1], strict=True)
+    ]
+    return torch.stack([*rows, 1 - sum(rows)])
+
+
+@torch.no_grad()
+def _average(
+    models: list[LeveledModel],
+    target: ModelSpec,
+    weights: list[float],
+    lambdas: dict[int, torch.Tensor],
+) -> LeveledModel:
+    """``sum_k lambda_k M_k`` per level: per neuron (weight row and bias) on the levels in
+    ``lambdas`` (``(models, n)``), the model weights elsewhere; the last model's weight is 1
+    minus the others' (two models: ``lambda A + (1 - lambda) B``)."""
+    fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
+    views = [affine_levels(m) for m in models]
+    for index, view in affine_levels(fused).items():
+        rows = [v[index].weights().double().cpu() for v in views]
+        lam = lambdas.get(index)
+        if lam is None:
+            head = torch.tensor(weights[:-1], dtype=torch.float64)[:, None].expand(
+                -1, rows[0].shape[1]
+            )
+            lam = torch.cat([head, (1 - head.sum(0))[None]])
+        lam = lam.double().cpu()
+        total = lam[0][None] * rows[0]
+        for k in range(1, len(rows)):
+            total = total + lam[k][None] * rows[k]
+        view.set_weights(total)
+    return fused

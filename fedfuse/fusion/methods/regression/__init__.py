@@ -1,0 +1,4 @@
+"""Regression merges: each level refitted, in closed form, to the outputs of every site's model
+through Gram matrices. RegMean (:mod:`.regmean`) and RegMean anchored on the server's labelled
+fusion set (:mod:`.regmean_fusion_set`); the sites' Grams are computed in
+:mod:`fedfuse.fusion.statistics.grams`."""
