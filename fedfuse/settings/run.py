@@ -5,7 +5,8 @@ Every entry point (the Flower apps, ``fedfuse simulate``, ``fedfuse compare`` th
 :meth:`RunSettings.fusion_methods` is the one place a run's fusion methods are built from it, and
 :meth:`RunSettings.method_names` the one place its comma list of methods is read.
 :class:`~fedfuse.federation.scenario.Scenario` (one floor up) turns the settings into data,
-splits and models.
+splits and models. What each key may hold, and how a run-config value is read, is
+:mod:`fedfuse.settings.run_config`.
 
 Defaults written once: :data:`DEFAULT_FUSION_SAMPLES` is the fusion set's size. The Hydra
 configs read it (``${fedfuse.default:fusion_samples}``, a resolver of
@@ -27,7 +28,6 @@ from fedfuse.fusion.options import parse_options
 from fedfuse.fusion.registry import make_fusion_methods, parse_method_names
 from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
 from fedfuse.models import ModelSpec, build_model, make_spec
-from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.runtime import check_device
 from fedfuse.settings.bounds import (
     DEFAULT_MAX_FUSED_PARAMETERS,
@@ -36,65 +36,18 @@ from fedfuse.settings.bounds import (
     closest,
     parse_widths,
 )
-from fedfuse.training.finetune import FINETUNE_DATA
-from fedfuse.training.loop import OPTIMIZERS, TrainConfig
+from fedfuse.settings.run_config import (
+    MODELS,
+    RUN_CONFIG_KEY,
+    check_field,
+    convert_value,
+    run_config_key,
+)
+from fedfuse.training.loop import TrainConfig
 
-INIT_MODES = ("independent", "shared")
-MODELS = ("mlp", "vgg11", "resnet", "vit", "lenet5")
 #: samples in the server's fusion set (run config ``fusion-samples``, Hydra
 #: ``fusion_set.samples``; the paper's 400)
 DEFAULT_FUSION_SAMPLES = 400
-#: a field's metadata key for a run-config key other than its name with dashes
-RUN_CONFIG_KEY = "run_config_key"
-
-
-#: the allowed values of every numeric field (a test keeps every one listed)
-RANGES: dict[str, Range] = {
-    "dirichlet_alpha_min": Range(0, 1e6, integer=False, open_low=True),
-    "dirichlet_min_max_ratio": Range(0, 1, integer=False, open_low=True),
-    "train_samples": Range(0, 10**9),
-    "seed": Range(0, 10**6),
-    "vgg_width_multiplier": Range(0, 64, integer=False, open_low=True),
-    "local_epochs": Range(0, 10_000),
-    "batch_size": Range(1, 2**20),
-    "lr": Range(0, 100, integer=False, open_low=True),
-    "weight_decay": Range(0, 100, integer=False),
-    "label_smoothing": Range(0, 0.999, integer=False),
-    "score_samples": Range(1, 10**7),
-    "score_steps": Range(1, 10_000),
-    "fusion_samples": Range(1, 10**7),
-    "fusion_augment_copies": Range(0, 1_000),
-    "fusion_augment_padding": Range(0, 1_000),
-    "fusion_invert_samples": Range(0, 10**6),
-    "fusion_invert_steps": Range(1, 10**6),
-    "fusion_gaussian_samples": Range(0, 10**6),
-    "fusion_gaussian_rank": Range(0, 10**5),
-    "test_samples": Range(0, 10**9),
-    "min_nodes": Range(1, 10**6),
-    "node_wait_timeout": Range(0, 10**7, integer=False, open_low=True),
-    "reply_timeout": Range(0, 10**7, integer=False, open_low=True),
-    "max_in_flight": Range(0, 10**6),
-    "finetune_epochs": Range(0, 10_000),
-    "finetune_lr": Range(0, 100, integer=False, open_low=True),
-    "finetune_min_lr": Range(0, 100, integer=False),
-    "finetune_label_smoothing": Range(0, 0.999, integer=False),
-    "finetune_restart_epochs": Range(0, 10_000),
-    "threads": Range(0, 1_024),
-    "secure_threshold": Range(0, 1, integer=False, open_low=True),
-}
-#: the allowed values of the fields that name a choice
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model": MODELS,
-    "init": INIT_MODES,
-    "optimizer": OPTIMIZERS,
-    "score_method": SCORE_METHODS,
-    "finetune_data": FINETUNE_DATA,
-}
-
-
-def run_config_key(settings_field: dataclasses.Field) -> str:
-    """The run-config key of a :class:`RunSettings` field."""
-    return settings_field.metadata.get(RUN_CONFIG_KEY, settings_field.name.replace("_", "-"))
 
 
 @dataclass(frozen=True)
@@ -166,7 +119,7 @@ class RunSettings:
         """Check every value (type, range or choice), naming its run-config key."""
         for settings_field in dataclasses.fields(self):
             if settings_field.name != "extra":
-                _check_field(settings_field, getattr(self, settings_field.name))
+                check_field(settings_field, getattr(self, settings_field.name))
         from fedfuse.partitions import PARTITIONERS
 
         if self.partitioner not in PARTITIONERS:
@@ -212,7 +165,7 @@ class RunSettings:
             if key not in fields:
                 unknown[key] = value
                 continue
-            values[fields[key].name] = _convert(key, fields[key].default, value)
+            values[fields[key].name] = convert_value(key, fields[key].default, value)
         if unknown and not allow_unknown:
             key = sorted(unknown)[0]
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -298,13 +251,11 @@ class RunSettings:
         result row whose fusion set was augmented; ``""`` otherwise."""
         if not self.fusion_augment_copies:
             return ""
-        parts = [f"x{self.fusion_augment_copies}"]
-        default = RunSettings()
-        if self.fusion_augment_flip != default.fusion_augment_flip:
-            parts.append("flip" if self.fusion_augment_flip else "noflip")
-        if self.fusion_augment_padding != default.fusion_augment_padding:
-            parts.append(f"pad={self.fusion_augment_padding}")
-        return f"+aug({','.join(parts)})"
+        flip = []
+        if self.fusion_augment_flip != RunSettings().fusion_augment_flip:
+            flip.append("flip" if self.fusion_augment_flip else "noflip")
+        changed = self._changed_keys({"fusion_augment_padding": "pad"})
+        return _row_label("aug", f"x{self.fusion_augment_copies}", *flip, *changed)
 
     def fusion_inversion(self) -> InvertedFusionSet | None:
         """The run's fusion-set completion by BatchNorm inversion (None when it has none)."""
@@ -337,10 +288,8 @@ class RunSettings:
         whose fusion set was completed from the sites' class Gaussians; ``""`` otherwise."""
         if not self.fusion_gaussian_samples:
             return ""
-        parts = [f"x{self.fusion_gaussian_samples}"]
-        if self.fusion_gaussian_rank != RunSettings().fusion_gaussian_rank:
-            parts.append(f"rank={self.fusion_gaussian_rank}")
-        return f"+gauss({','.join(parts)})"
+        changed = self._changed_keys({"fusion_gaussian_rank": "rank"})
+        return _row_label("gauss", f"x{self.fusion_gaussian_samples}", *changed)
 
     def widths_label(self) -> str:
         """``widths(2x)`` (or ``widths(w,w,...)``) for a result row fused into other widths than
@@ -360,27 +309,34 @@ class RunSettings:
         whose fusion set was completed by BatchNorm inversion; ``""`` otherwise."""
         if not self.fusion_invert_samples:
             return ""
-        parts = [f"x{self.fusion_invert_samples}"]
-        if self.fusion_invert_steps != RunSettings().fusion_invert_steps:
-            parts.append(f"steps={self.fusion_invert_steps}")
-        return f"+inv({','.join(parts)})"
+        changed = self._changed_keys({"fusion_invert_steps": "steps"})
+        return _row_label("inv", f"x{self.fusion_invert_samples}", *changed)
 
     def finetune_label(self) -> str:
         """``+ft(<data>,<E>ep)`` (with the fine-tuning keys that differ from the defaults) for a
         fine-tuned result; ``""`` when the run does not fine-tune."""
         if not self.finetune_epochs:
             return ""
-        parts = [self.finetune_data, f"{self.finetune_epochs}ep"]
+        changed = self._changed_keys(
+            {
+                "finetune_lr": "lr",
+                "finetune_min_lr": "min_lr",
+                "finetune_label_smoothing": "ls",
+                "finetune_restart_epochs": "restart",
+            },
+            number_format="g",
+        )
+        return _row_label("ft", self.finetune_data, f"{self.finetune_epochs}ep", *changed)
+
+    def _changed_keys(self, shorts: Mapping[str, str], *, number_format: str = "") -> list[str]:
+        """``short=value`` for each field of ``shorts`` (field name -> short name in a result
+        row's label) whose value differs from its default, in ``shorts``' order."""
         default = RunSettings()
-        for name, short in (
-            ("finetune_lr", "lr"),
-            ("finetune_min_lr", "min_lr"),
-            ("finetune_label_smoothing", "ls"),
-            ("finetune_restart_epochs", "restart"),
-        ):
-            if getattr(self, name) != getattr(default, name):
-                parts.append(f"{short}={getattr(self, name):g}")
-        return f"+ft({','.join(parts)})"
+        return [
+            f"{short}={format(getattr(self, name), number_format)}"
+            for name, short in shorts.items()
+            if getattr(self, name) != getattr(default, name)
+        ]
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -476,6 +432,11 @@ class RunSettings:
         return None if target == spec else target
 
 
+def _row_label(tag: str, *parts: str) -> str:
+    """A result row's label part for one feature of the run: ``+tag(part,part,...)``."""
+    return f"+{tag}({','.join(parts)})"
+
+
 def client_seed(settings: RunSettings, partition_id: int) -> int:
     """Seed of a client's initialisation and training: its own in ``independent`` mode."""
     return settings.seed * 1000 + partition_id + 1
@@ -490,74 +451,3 @@ def finetune_seed(settings: RunSettings, partition_id: int | None = None) -> int
     """Seed of fine-tuning after fusion: on the fusion set (``partition_id`` None) or on a site."""
     base = initial_seed(settings) if partition_id is None else client_seed(settings, partition_id)
     return 1_000_000_007 + base
-
-
-def _convert(key: str, default: Any, value: Any) -> Any:
-    """A run-config value as its field's type (the default's); an error names the key."""
-    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-    try:
-        if isinstance(default, bool):
-            return _as_bool(value)
-        if isinstance(value, bool):
-            pass  # a boolean is no number
-        elif isinstance(default, int) and (
-            isinstance(value, str | int) or isinstance(value, float) and value.is_integer()
-        ):
-            return int(value)
-        elif isinstance(default, float) and isinstance(value, int | float | str):
-            return float(value)
-        if isinstance(default, str | dict):
-            return type(default)(value)
-    except (TypeError, ValueError):
-        pass
-    raise ValueError(
-        f"run config key {key}={value!r} must be {kind.get(type(default), type(default).__name__)}"
-    )
-
-
-def _check_field(settings_field: dataclasses.Field, value: Any) -> None:
-    """Raise ValueError naming the run-config key unless ``value`` has the field's type and
-    lies in its :data:`RANGES` or :data:`CHOICES`."""
-    key = run_config_key(settings_field)
-    default = settings_field.default
-    if isinstance(default, bool):
-        fits = isinstance(value, bool)
-    elif isinstance(default, int):
-        fits = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        fits = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        fits = isinstance(value, type(default))
-    if not fits:
-        raise ValueError(f"run config key {key}={value!r} must be a {type(default).__name__}")
-    bound = RANGES.get(settings_field.name)
-    if bound is not None and not bound.contains(value):
-        raise ValueError(f"run config key {key}={value!r} is out of range; allowed: {bound}")
-    choices = CHOICES.get(settings_field.name)
-    if choices is not None and value not in choices:
-        raise ValueError(
-            f"run config key {key}={value!r} is unknown; choose from: {', '.join(choices)}"
-        )
-
-
-def _as_bool(value: Any) -> bool:
-    """A run-config boolean: a bool, 0/1, or true/false/yes/no/on/off in any case."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
-        return _BOOLEAN_WORDS[value.strip().lower()]
-    raise ValueError(f"not a boolean: {value!r}")
-
-
-_BOOLEAN_WORDS = {
-    "true": True,
-    "false": False,
-    "yes": True,
-    "no": False,
-    "on": True,
-    "off": False,
-    "1": True,
-    "0": False,
-}

@@ -11,7 +11,8 @@ import pytest
 from fedfuse.cli.main import main
 from fedfuse.fusion import FUSION_METHODS, KFLinear, make_fusion_method
 from fedfuse.fusion.options import _option_types
-from fedfuse.settings.run import RANGES, RunSettings
+from fedfuse.settings.run import RunSettings
+from fedfuse.settings.run_config import RANGES
 
 
 @pytest.fixture(autouse=True)
