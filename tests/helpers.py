@@ -48,6 +48,18 @@ def permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:
     return permuted
 
 
+def patience(seconds: float) -> float:
+    """``seconds`` of wall time for a test's subprocess or wait, scaled to how busy the machine
+    is: times the load per core when that is above 1 (other work on the same cores stretches
+    every run), or times ``FEDFUSE_TEST_TIME_SCALE`` when set. A limit that holds on a quiet
+    machine then holds on a loaded one, and still ends a run that hangs."""
+    override = os.environ.get("FEDFUSE_TEST_TIME_SCALE")
+    if override:
+        return seconds * float(override)
+    busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * max(1.0, busy)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (at the moment of asking)."""
     with socket.socket() as s:

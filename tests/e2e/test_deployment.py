@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from fedfuse.data import load_dataset, save_npz_dataset
-from tests.helpers import descendants, free_port
+from tests.helpers import descendants, free_port, patience
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +132,9 @@ class Deployment:
 
     # ------------------------------------------------------------------------ the walkthrough
     def fedfuse(self, *args: str) -> str:
-        return self.run([sys.executable, "-m", "fedfuse.cli.main", *args], timeout=120).stdout
+        return self.run(
+            [sys.executable, "-m", "fedfuse.cli.main", *args], timeout=patience(120)
+        ).stdout
 
     def start_superlink(self) -> int:
         """``fedfuse certs``, then ``flower-superlink`` with TLS and SuperNode auth; its port."""
@@ -166,7 +168,7 @@ class Deployment:
         out = self.run(
             [str(BIN / "flwr"), "supernode", "register", str(public_key), CONNECTION]
             + ["--format", "json"],
-            timeout=120,
+            timeout=patience(120),
         ).stdout
         return int(json.loads(out[out.index("{") :])["node-id"])
 
@@ -210,7 +212,7 @@ def test_an_unregistered_supernode_is_refused(deployment: Deployment, tmp_path: 
         ("anonymous", anonymous, "All SuperNodes must be registered"),
     ):
         try:
-            process.wait(timeout=120)
+            process.wait(timeout=patience(120))
         except subprocess.TimeoutExpired:
             pytest.fail(f"the {name} SuperNode was not refused\n{deployment.report()}")
         log = deployment.logs[name].read_text()

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fedfuse.io.checkpoint import load_checkpoint
-from tests.helpers import descendants
+from tests.helpers import descendants, patience
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=GUIDE_TIMEOUT,
+            timeout=patience(GUIDE_TIMEOUT),
         )
     except subprocess.TimeoutExpired as error:
         completed = None

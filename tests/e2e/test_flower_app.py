@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedfuse.federation.flower_state import superlink_pids
-from tests.helpers import flower_test_env
+from tests.helpers import flower_test_env, patience
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
@@ -22,10 +22,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flower-app"
 def _run_app(tmp_path: Path, app: Path, run_config: str) -> subprocess.CompletedProcess:
     env, control_port = flower_test_env(tmp_path)
     command = [sys.executable, "-m", "fedfuse.cli.main", "run-app", str(app)]
-    command += ["--timeout", "600", "--run-config", run_config]
+    command += ["--timeout", str(round(patience(600))), "--run-config", run_config]
     try:
         return subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=660, cwd=tmp_path
+            command, env=env, capture_output=True, text=True, timeout=patience(660), cwd=tmp_path
         )
     finally:
         leftover = superlink_pids(control_port)

@@ -19,7 +19,7 @@ import pytest
 
 from fedfuse.federation.flower_state import stop_process_tree, superlink_pids
 from fedfuse.federation.ray_cluster import RayClusterError, connect
-from tests.helpers import flower_test_env, free_port
+from tests.helpers import flower_test_env, free_port, patience
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -54,8 +54,8 @@ def two_node_cluster():
     worker = [ray, "start", f"--address={address}", *common]
     try:
         for command in (head, worker):
-            subprocess.run(command, env=env, check=True, capture_output=True, timeout=180)
-        deadline = time.monotonic() + 60
+            subprocess.run(command, env=env, check=True, capture_output=True, timeout=patience(180))
+        deadline = time.monotonic() + patience(60)
         while len(connect(address).nodes) < 2:
             assert time.monotonic() < deadline, "the worker node never joined the cluster"
             time.sleep(1)
@@ -72,10 +72,12 @@ def test_simulate_runs_its_sites_on_both_nodes_of_a_ray_cluster(two_node_cluster
     command = [
         *(sys.executable, "-m", "fedfuse.cli.main", "simulate", "--app", str(REPO)),
         *("--num-clients", "4", "--ray-address", two_node_cluster, "--output-dir", str(out)),
-        *("--timeout", "600", "--run-config", f"{SMALL} strategy='fedavg'"),
+        *("--timeout", str(round(patience(600))), "--run-config", f"{SMALL} strategy='fedavg'"),
     ]
     try:
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=660)
+        completed = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=patience(660)
+        )
     finally:
         stop_process_tree(superlink_pids(control_port))
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -96,7 +98,7 @@ def test_a_cluster_that_does_not_answer_is_named_before_flower_starts(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
     assert completed.returncode != 0
     assert f"no Ray cluster answers at {address}" in completed.stderr

@@ -22,10 +22,11 @@ from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
 from fedfuse.io.atomic import write_json
 from fedfuse.models import Ensemble, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.settings.run import RunSettings
-from fedfuse.strategies.one_shot import FusionAborted, MethodsUnfit, OneShotFusion, check_methods
+from fedfuse.strategies.one_shot import OneShotFusion
+from fedfuse.strategies.preflight import FusionAborted, MethodsUnfit, check_methods
 from fedfuse.training.loop import evaluate
 from tests.fakes import NodesGrid, reply_from
-from tests.helpers import quick_site_settings
+from tests.helpers import patience, quick_site_settings
 
 SETTINGS = quick_site_settings(methods="kf-linear,fedavg,regmean")
 
@@ -217,9 +218,9 @@ def test_partition_cache_is_built_once_and_matches_the_split(tmp_path):
     ]
     for worker in workers:
         worker.start()
-    results = [queue.get(timeout=120) for _ in workers]
+    results = [queue.get(timeout=patience(120)) for _ in workers]
     for worker in workers:
-        worker.join(timeout=60)
+        worker.join(timeout=patience(60))
     assert counter.read_text() == "built\n"  # two processes, one build
     expected = scenario.client_data(4, cached=False)
     assert results[0] == results[1] == expected.labels.tolist()

@@ -27,6 +27,7 @@ from fedfuse.data import DataFormatError, from_image_folder, load_npz_dataset, s
 from fedfuse.data.arrays import channel_statistics, check_npz_dataset
 from fedfuse.data.convert import from_medmnist_npz
 from fedfuse.data.idx import read_idx
+from tests.helpers import patience
 
 ADDRESS_SPACE = 6 << 30
 TIMEOUT_S = 60
@@ -44,7 +45,7 @@ def _fedfuse(*argv: str | Path) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=patience(TIMEOUT_S),
         preexec_fn=_limit_memory,
     )
 

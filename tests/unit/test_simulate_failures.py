@@ -13,7 +13,7 @@ import pytest
 
 from fedfuse.cli.main import main
 from fedfuse.federation.flower_state import failure_reason, flwr_version, simulation_flwr_home
-from tests.helpers import flower_test_env
+from tests.helpers import flower_test_env, patience
 from tests.unit.test_doctor import state_db
 
 # what `flwr run` printed when its local SuperLink could not start (Flower 1.41, 80 columns)
@@ -128,11 +128,11 @@ def test_when_the_superlink_cannot_start_simulate_prints_flowers_reason(tmp_path
         db.execute("CREATE TABLE run (x INTEGER)")
     command = [sys.executable, "-m", "fedfuse.cli.main", "simulate"]
     completed = subprocess.run(
-        [*command, "--output-dir", str(tmp_path / "out"), "--timeout", "120"],
+        [*command, "--output-dir", str(tmp_path / "out"), "--timeout", str(round(patience(120)))],
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patience(180),
     )
     err = [line for line in completed.stderr.splitlines() if "fedfuse.cli" not in line]
     assert completed.returncode == 1 and 2 <= len(err) <= 5, completed.stderr
