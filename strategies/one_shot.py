@@ -8,19 +8,20 @@ sites after fusion is one more round, ``finetune_round.SiteFinetuneRound``
 
 The server checks that every listed fusion method can fuse this run (number of sites, architecture,
 inputs) before any site trains, sends every connected site one train message, and takes the replies
-**as they arrive**: each is validated (naming a bad client) and written at once to the run's
-:class:`~fedfuse.federation.uploads.UploadStore`, so the server never holds every upload in memory
-and nothing a site computed is lost if a later step fails. Once all sites replied, or the reply
-timeout passed, the accepted uploads are fused by each method of the Flower-free library; a method
-that fails is recorded with its error and the others go on (no federated evaluation round: the
-server evaluates the fused models itself).
+**as they arrive** (:mod:`.intake`): each is validated (naming a bad client) and written at once
+to the run's :class:`~fedfuse.federation.uploads.UploadStore`, so the server never holds every
+upload in memory and nothing a site computed is lost if a later step fails. Once all sites
+replied, or the reply timeout passed, the accepted uploads are fused by each method of the
+Flower-free library; a method that fails is recorded with its error and the others go on
+(:mod:`.method_runs`; no federated evaluation round: the server evaluates the fused models
+itself).
 
 **Any Flower app.** With ``model_fn`` (the app's own model class) the strategy takes the replies
 of a plain ClientApp, as Flower's templates write it: the trained weights as an ``ArrayRecord``
 under the app's own parameter names and ``num-examples`` in a ``MetricRecord``. The model is
-traced once (:class:`~fedfuse.models.ModelAdapter`); the fusion set is the app's own samples
-(tensors or a ``DataLoader``, in its normalisation); the result's arrays and every
-``results[method].model`` are the app's model again::
+traced once (:mod:`.plain_apps`); the fusion set is the app's own samples (tensors or a
+``DataLoader``, in its normalisation); the result's arrays and every ``results[method].model``
+are the app's model again::
 
     strategy = OneShotFusion("kf-linear,regmean", model_fn=Net, fusion_set=fusion_loader,
                              client_extras=True)
@@ -36,9 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,40 +50,26 @@ from fedfuse.clients.records import pack_train_request
 from fedfuse.data import ImageDataset
 from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.contract import DataContract
-from fedfuse.federation.plain_site import EXTRA_FIELDS, extras_for
+from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.uploads import (
     StoredUpload,
     UploadStore,
     complete_fusion_set,
     fusion_inputs,
-    needs_grams,
 )
 from fedfuse.fusion import FusionMethod, FusionResult, as_fusion_methods
 from fedfuse.fusion.inversion import InvertedFusionSet
-from fedfuse.fusion.methods.averaging.fisher import fisher_kinds
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
-from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
-from fedfuse.io.validation import ContributionError
+from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec
 from fedfuse.runtime import configure_logging
 
 from .finetune_round import SiteFinetuneRound
+from .intake import UploadIntake
 from .messaging import stream_replies, wait_for_nodes
-from .preflight import (
-    CONTRACT_TIMEOUT,
-    FusionAborted,
-    MethodsUnfit,
-    check_methods,
-    check_site_data,
-)
-from .replies import (
-    EXTRAS_HINT,
-    SiteDidNotUpload,
-    decode_plain_reply,
-    decode_reply,
-    describe_sender,
-    sender_name,
-)
+from .method_runs import MethodFailure, format_method_results, fuse_each_method
+from .plain_apps import plain_app
+from .preflight import CONTRACT_TIMEOUT, FusionAborted, check_methods, check_site_data
 from .roster import SiteRoster
 from .secure_sums import SecureSettings, check_secure_methods
 from .statistics_rounds import FlowerSites
@@ -92,15 +77,7 @@ from .statistics_rounds import FlowerSites
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class MethodFailure:
-    """A fusion method that raised while fusing (the other methods still ran)."""
-
-    error: str
-    seconds: float
-
-
-class OneShotFusion(Strategy):
+class OneShotFusion(UploadIntake, Strategy):
     """One round: every site trains and uploads once; the server fuses the uploads.
 
     Args:
@@ -188,6 +165,8 @@ class OneShotFusion(Strategy):
         if secure is not None:
             check_secure_methods(self.methods)
         self.secure = secure
+        #: what every site sends besides its weights and scores, from the methods' needs
+        self.upload_request = upload_request_for(self.methods, gaussians, secure=secure is not None)
         if not self.methods:
             raise ValueError("OneShotFusion needs at least one fusion method")
         synthetic = isinstance(fusion_set, SyntheticFusionSet)
@@ -204,7 +183,18 @@ class OneShotFusion(Strategy):
         self.score_method = score_method
         self._extras: list[str] = []
         if model_fn is not None:
-            self._plain_app(model_fn, input_shape, available_inputs, min_nodes)
+            plain = plain_app(
+                model_fn,
+                self.methods,
+                input_shape=input_shape,
+                fixed_fusion_set=self._fixed_fusion_set,
+                has_fusion_set=self._fixed_fusion_set is not None or self.fusion_set is not None,
+                client_extras=client_extras,
+                available=available_inputs,
+                min_nodes=min_nodes,
+            )
+            self.adapter, self._extras = plain.adapter, plain.extras
+            self.available_inputs = plain.available_inputs
         elif client_extras:
             raise ValueError("client_extras is for a plain ClientApp: give model_fn too")
         else:
@@ -233,42 +223,6 @@ class OneShotFusion(Strategy):
         self._grid: Grid | None = None
         self._reply_timeout = 3600.0
         self._node_of: dict[int, int] = {}  # partition id -> node id of its accepted upload
-
-    def _plain_app(
-        self,
-        model_fn: Callable[[], nn.Module],
-        input_shape: Sequence[int] | None,
-        available: Iterable[str] | None,
-        min_nodes: int,
-    ) -> None:
-        """Trace the app's model and refuse, now, every method the plain sites cannot serve."""
-        if input_shape is None:
-            if self._fixed_fusion_set is None:
-                raise ValueError(
-                    "OneShotFusion(model_fn=...) needs the model's input shape: give the fusion "
-                    "set (fusion_set=) or input_shape="
-                )
-            input_shape = tuple(self._fixed_fusion_set[0].shape[1:])
-        self.adapter = ModelAdapter(model_fn, tuple(input_shape)).register()
-        if self.client_extras:
-            self._extras = extras_for(self.methods)
-        if available is None:
-            available = {"sample_counts", *(EXTRA_FIELDS[name] for name in self._extras)}
-            if self._fixed_fusion_set is not None or self.fusion_set is not None:
-                available |= {"data", "labels"}
-        self.available_inputs = set(available)
-        hint = (
-            f". A plain ClientApp sends its weights and num-examples; for importance scores, "
-            f"class counts, Gram matrices and Fisher {EXTRAS_HINT} and pass client_extras=True; "
-            "statistics rounds (kf-sites, hf-sites) need fedfuse's own ClientApp"
-        )
-        check_methods(self.methods, min_nodes, self.adapter.spec, self.available_inputs, hint=hint)
-        wider = [m.name for m in self.methods if m.chooses_widths]
-        if wider:
-            raise MethodsUnfit(
-                f"{wider}: choose the fused widths, and a plain "
-                f"{self.adapter.model_class.__name__} keeps the widths its class defines"
-            )
 
     def summary(self) -> None:
         log.info(
@@ -303,6 +257,7 @@ class OneShotFusion(Strategy):
                 grid,
                 self._sent,
                 self.contract,
+                self.upload_request,
                 min(self._reply_timeout, CONTRACT_TIMEOUT),
                 roster=self.roster,
                 problems=self.problems,
@@ -313,9 +268,7 @@ class OneShotFusion(Strategy):
         content = pack_train_request(
             arrays,
             config,
-            send_grams=needs_grams(self.methods),
-            send_fisher=fisher_kinds(self.methods),
-            send_gaussians=upload_rank(self.gaussians, self.methods),
+            request=self.upload_request,
             extras=self._extras,
             score_method=self.score_method,
             contract=self.contract,
@@ -402,109 +355,26 @@ class OneShotFusion(Strategy):
 
     def format_results(self) -> str:
         """One line per method: its fusion time and server-side metrics, or its error."""
-        lines = []
-        for method in self.methods:
-            name = method.name
-            if name in self.results:
-                metrics = ", ".join(
-                    f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}"
-                    for key, value in self.evaluations.get(name, {}).items()
-                )
-                seconds = self.results[name].seconds
-                lines.append(f"  {name:<16} fused in {seconds:7.2f} s  {metrics}".rstrip())
-            elif name in self.failures:
-                lines.append(f"  {name:<16} FAILED: {self.failures[name].error}")
-        return "\n".join(lines)
+        return format_method_results(self.methods, self.results, self.failures, self.evaluations)
 
     # ------------------------------------------------------------------ steps
-    def accept(self, msg: Message) -> StoredUpload | None:
-        """Validate one reply and store it; a bad one is named in :attr:`problems`."""
-        source = describe_sender(msg)
-        started = time.monotonic()
-        try:
-            upload = self._decode(msg)
-            entry = self.store.add(upload, source=source)
-        except ContributionError as error:
-            self.problems.append(str(error))
-            kind = error.kind if isinstance(error, SiteDidNotUpload) else "rejected"
-            self.roster.drop(kind, str(error), node=msg.metadata.src_node_id, name=sender_name(msg))
-            log.error("%s upload: %s", "no" if kind in ("refused", "failed") else "rejected", error)
-            return None
-        finally:
-            elapsed = time.monotonic() - started
-            self.timings["handle_uploads"] = self.timings.get("handle_uploads", 0.0) + elapsed
-        self._node_of[entry.partition_id] = msg.metadata.src_node_id
-        log.info(
-            "stored the upload of %s (%d examples): %d of %d sites",
-            source,
-            entry.num_examples,
-            len(self.store),
-            len(self._sent) or len(self.store),
-        )
-        if self.on_upload is not None:
-            self.on_upload(entry)
-        return entry
-
-    def _decode(self, msg: Message) -> Any:
-        """The upload of one reply: fedfuse's ClientApp's, or a plain one's (by its node)."""
-        if self.adapter is None:
-            return decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
-        node = msg.metadata.src_node_id
-        if node not in self._sent:
-            raise ContributionError(f"node {node}: replied without being asked to train")
-        return decode_plain_reply(
-            msg,
-            self.adapter,
-            partition_id=self._sent.index(node),
-            num_partitions=len(self._sent),
-            wanted=self._extras,
-        )
-
-    def note_silent(self, nodes: Iterable[int]) -> None:
-        """Name the sites that did not reply before the timeout."""
-        for node in nodes:
-            problem = f"node {node}: no reply before the reply timeout"
-            self.problems.append(problem)
-            self.roster.drop("silent", problem, node=node)
-            log.error("%s", problem)
-
-    def sites(self) -> list[dict[str, Any]]:
-        """Every site of the run by name, node id and status (:class:`SiteRoster`)."""
-        return self.roster.sites(self.store.entries, self._node_of)
-
-    def _agree_on_partitions(self) -> None:
-        """Keep the uploads whose ``num-partitions`` is the majority's; name the others."""
-        counts = Counter(entry.num_partitions for entry in self.store.entries)
-        if not counts:
-            return
-        # the most common value; on a tie, the smallest (a deterministic choice)
-        self.num_partitions = min(counts, key=lambda n: (-counts[n], n))
-        for entry in self.store.entries:
-            if entry.num_partitions != self.num_partitions:
-                problem = (
-                    f"{entry.source}: reports num-partitions {entry.num_partitions}, "
-                    f"{counts[self.num_partitions]} other site(s) report {self.num_partitions}"
-                )
-                self.problems.append(problem)
-                self.roster.drop(
-                    "rejected",
-                    problem,
-                    node=self._node_of.pop(entry.partition_id, None),
-                    name=entry.facts.get("site_name", ""),
-                    partition_id=entry.partition_id,
-                )
-                self.store.discard(entry.partition_id, problem)
+    def _stored_sites(self, rounds: str) -> tuple[Grid, list[int], list[str]]:
+        """The grid, and the node and name of each stored upload's site, for ``rounds`` after
+        the train round (RuntimeError before the strategy started)."""
+        if self._grid is None:
+            raise RuntimeError(f"{rounds} need the grid of a started strategy")
+        entries = self.store.entries
+        nodes = [self._node_of[e.partition_id] for e in entries]
+        return self._grid, nodes, [e.source for e in entries]
 
     def _statistics_channel(self, models: Sequence[LeveledModel]) -> FlowerSites:
         """The channel of the statistics rounds: each stored upload's site, by node."""
-        if self._grid is None:
-            raise RuntimeError("statistics rounds need the grid of a started strategy")
-        entries = self.store.entries
+        grid, nodes, names = self._stored_sites("statistics rounds")
         return FlowerSites(
-            self._grid,
+            grid,
             models,
-            [self._node_of[e.partition_id] for e in entries],
-            [e.source for e in entries],
+            nodes,
+            names,
             timeout=self._reply_timeout,
             max_in_flight=self.max_in_flight,
             secure=self.secure,
@@ -513,13 +383,12 @@ class OneShotFusion(Strategy):
     def finetune_round(self) -> SiteFinetuneRound:
         """The fine-tuning round after fusion over the sites whose uploads were fused, each
         weighted by its upload's sample count."""
-        if self._grid is None:
-            raise RuntimeError("a fine-tuning round needs the grid of a started strategy")
+        grid, nodes, names = self._stored_sites("a fine-tuning round")
         entries = self.store.entries
         return SiteFinetuneRound(
-            self._grid,
-            [self._node_of[e.partition_id] for e in entries],
-            [e.source for e in entries],
+            grid,
+            nodes,
+            names,
             [e.partition_id for e in entries],
             [e.num_examples for e in entries],
             timeout=self._reply_timeout,
@@ -557,25 +426,18 @@ class OneShotFusion(Strategy):
             fusion_inputs(self.store, fusion_set, sites=sites),
             self.store,
             inversion=self.inversion,
-            gaussians=self.gaussians if upload_rank(self.gaussians, self.methods) else None,
+            gaussians=self.gaussians if self.upload_request.gaussian_rank else None,
         )
-        for method in self.methods:
-            method_started = time.monotonic()
-            try:
-                target = None if self.target is None else self.target(models[0].spec)
-                result = method.fuse(models, inputs, target=target)
-                if self.adapter is not None:  # the app gets its own model, under its own names
-                    result.model = self.adapter.export(result.model)
-            except Exception as error:  # one method's failure must not cost the others
-                seconds = time.monotonic() - method_started
-                self.failures[method.name] = MethodFailure(
-                    f"{type(error).__name__}: {error}", seconds
-                )
-                log.exception("fusion method %s failed; the other methods go on", method.name)
-                continue
-            self.results[method.name] = result
-            if self.on_fused is not None:  # e.g. saved now, before anything else can fail
-                self.on_fused(method.name, result)
+        fuse_each_method(
+            self.methods,
+            models,
+            inputs,
+            results=self.results,
+            failures=self.failures,
+            target=self.target,
+            export=None if self.adapter is None else self.adapter.export,
+            on_fused=self.on_fused,
+        )
         self.timings["fuse"] = time.monotonic() - started
         if not self.results:
             raise FusionAborted(

@@ -16,7 +16,7 @@ from fedfuse.clients.records import pack_upload
 from fedfuse.data.partition_cache import PartitionCache
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.scenario import Scenario
-from fedfuse.federation.site import train_site
+from fedfuse.federation.site import SiteIdentity, train_site
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
 from fedfuse.io.atomic import write_json
@@ -26,7 +26,7 @@ from fedfuse.strategies.one_shot import OneShotFusion
 from fedfuse.strategies.preflight import FusionAborted, MethodsUnfit, check_methods
 from fedfuse.training.loop import evaluate
 from tests.fakes import NodesGrid, reply_from
-from tests.helpers import patience, quick_site_settings
+from tests.helpers import patience, quick_site_settings, run_upload_request
 
 SETTINGS = quick_site_settings(methods="kf-linear,fedavg,regmean")
 
@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 @pytest.fixture(scope="module")
 def uploads(tmp_path_factory, monkeypatch_module):
-    return [train_site(SETTINGS, pid, 3) for pid in range(3)]
+    request = run_upload_request(SETTINGS)
+    return [train_site(SETTINGS, SiteIdentity(pid, 3), request) for pid in range(3)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from fedfuse.federation.site_cache import site_set_key
 from fedfuse.fusion import make_fusion_method
 from fedfuse.models import make_spec
 from fedfuse.settings.run import RunSettings
-from fedfuse.strategies.one_shot import MethodsUnfit, check_methods
+from fedfuse.strategies.preflight import MethodsUnfit, check_methods
 
 
 def test_model_options_build_resnet_and_vit_specs():
