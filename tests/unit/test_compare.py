@@ -12,7 +12,7 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from fedfuse.experiments import compare
+from fedfuse.experiments import compare, compare_library, row_ids
 from fedfuse.federation.site_cache import site_set_key
 from fedfuse.fusion import FUSION_METHODS, make_fusion_method
 from fedfuse.settings.hydra import (
@@ -155,18 +155,18 @@ def test_site_set_key_covers_training_and_nothing_else():
 def test_row_id_covers_result_options_only():
     settings = RunSettings()
     kf = make_fusion_method("kf-linear")
-    row = compare.row_id(settings, 2, kf, "library")
+    row = row_ids.row_id(settings, 2, kf, "library")
     assert (
-        compare.row_id(settings, 2, make_fusion_method("kf-linear", progress=True), "library")
+        row_ids.row_id(settings, 2, make_fusion_method("kf-linear", progress=True), "library")
         == row
     )
-    assert compare.row_id(settings, 2, make_fusion_method("kf-linear", ridge=0.1), "library") != row
-    assert compare.row_id(settings, 2, kf, "flower") != row
+    assert row_ids.row_id(settings, 2, make_fusion_method("kf-linear", ridge=0.1), "library") != row
+    assert row_ids.row_id(settings, 2, kf, "flower") != row
     assert (
-        compare.row_id(dataclasses.replace(settings, score_method="uniform"), 2, kf, "library")
+        row_ids.row_id(dataclasses.replace(settings, score_method="uniform"), 2, kf, "library")
         != row
     )
-    assert compare.row_id(settings, 4, kf, "library") != row
+    assert row_ids.row_id(settings, 4, kf, "library") != row
 
 
 # ---------------------------------------------------------------------------------- runners
@@ -282,15 +282,15 @@ def test_finetune_and_augmentation_keys_round_trip(overrides):
 
 def test_row_ids_of_augmented_and_fine_tuned_rows():
     settings, kf = RunSettings(), make_fusion_method("kf-linear")
-    plain = compare.row_id(settings, 2, kf, "library")
+    plain = row_ids.row_id(settings, 2, kf, "library")
     tuned = dataclasses.replace(settings, finetune_epochs=5)
-    assert compare.row_id(tuned, 2, kf, "library") == plain  # the zero-shot row is shared
-    ft = compare.row_id(tuned, 2, kf, "library", "finetuned")
+    assert row_ids.row_id(tuned, 2, kf, "library") == plain  # the zero-shot row is shared
+    ft = row_ids.row_id(tuned, 2, kf, "library", "finetuned")
     assert ft.startswith("kf-linear-ft-") and ft != plain
     on_sites = dataclasses.replace(tuned, finetune_data="sites")
-    assert compare.row_id(on_sites, 2, kf, "library", "finetuned") != ft
+    assert row_ids.row_id(on_sites, 2, kf, "library", "finetuned") != ft
     augmented = dataclasses.replace(settings, fusion_augment_copies=2)
-    assert compare.row_id(augmented, 2, kf, "library") != plain
+    assert row_ids.row_id(augmented, 2, kf, "library") != plain
 
 
 def test_a_fine_tuning_job_writes_a_zero_shot_and_a_fine_tuned_row(tmp_path, monkeypatch):
@@ -315,7 +315,7 @@ def test_a_fine_tuning_job_writes_a_zero_shot_and_a_fine_tuned_row(tmp_path, mon
     def no_fusion(*args):
         raise AssertionError("the zero-shot row was done; nothing should fuse again")
 
-    monkeypatch.setattr(compare, "_fuse_library", no_fusion)
+    monkeypatch.setattr(compare_library, "_fuse_library", no_fusion)
     assert compare.main([*common, "finetune=sites", "finetune.epochs=1"]) == 0
     rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "default/rows").glob("*.json"))]
     sites = next(r for r in rows if r["label"] == "kf-linear +ft(sites,1ep)")
