@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.blocks import pieces
+from fedfuse.fusion.blocks import whitening
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics, refold_batchnorm_statistics
-from fedfuse.fusion.blocks.pieces import whitener, whitening_cutoff
+from fedfuse.fusion.blocks.whitening import whitener, whitening_cutoff
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
 
@@ -196,13 +196,13 @@ def test_a_methods_whitening_cut_reaches_every_attention_fit_and_ends_with_it(
     """Both families that fit the pieces (fusion-set and site-statistics fits) whiten with the
     method's own ``whiten_rcond`` during its fusion, and with the default after it."""
     cuts = []
-    spectrum = pieces.gram_spectrum
+    spectrum = whitening.gram_spectrum
 
     def recording(gram, *, rows, rcond):
         cuts.append(rcond)
         return spectrum(gram, rows=rows, rcond=rcond)
 
-    monkeypatch.setattr(pieces, "gram_spectrum", recording)
+    monkeypatch.setattr(whitening, "gram_spectrum", recording)
     models = [_model(VIT, seed, generator) for seed in (0, 1)]
     data = torch.randn(48, *VIT.input_shape, generator=generator)
     labels = torch.arange(48) % VIT.num_classes
@@ -210,8 +210,8 @@ def test_a_methods_whitening_cut_reaches_every_attention_fit_and_ends_with_it(
     method.fuse(models, FusionInputs(data, labels=labels))
     assert cuts and set(cuts) == {1e-3}
     cuts.clear()
-    pieces.whitener(torch.eye(3, dtype=torch.float64))
-    assert cuts == [pieces.WHITEN_RCOND]
+    whitening.whitener(torch.eye(3, dtype=torch.float64))
+    assert cuts == [whitening.WHITEN_RCOND]
 
 
 def test_attention_heads_are_matched_across_models_by_their_maps(generator):

@@ -26,24 +26,10 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
   the fused norms are plain normalisations and each linear reads normalised tokens with a 1
   (``ñ``).
 
-  1. ``q+k`` (kind ``"logits"``). Softmax is not affine, but the logits are bilinear: head ``g``
-     of model ``m`` has logits ``ñ^{(m)} B_{mg} ñ^{(m)T}``, ``B = W̃_q^T W̃_k / sqrt(d_h)``
-     (biases in the last row and column). Regressing the model's queries and keys on the fused
-     ``ñ`` (the piece's targets; on the fusion set, or each site's translation on its data)
-     gives ``ñ^{(m)} W̃^T ≈ ñ Ŵ``, so its logits are ``≈ ñ B̂_{mg} ñ^T``: forms in one
-     coordinate system, which can be compared and averaged. With ``H H^T = ñ^T ñ / R`` the
-     design's second moment, ``||H^T (B̂ - B̂') H||`` is the logits' distance on the data.
-     Heads are grouped across models (Hungarian or k-means, equal weights) by their attention
-     maps where the server holds the data (the fusion set), else by that distance, and fused head
-     ``c`` takes its group's mean form (the softmax of mean logits: the normalised geometric
-     mean of the maps), cut to the head's rank where the data measures it: from the SVD
-     ``H^T B_c H = U S V^T``, ``W̃_q^T = d_h^{1/4} H^+ U_r S_r^{1/2}``, ``W̃_k^T`` with ``V_r``
-     (:func:`attention_logits`).
-  2. ``v+out``: given the fused maps ``P_c``, the attention output ``sum_c P_c ñ A_c + b_o`` is
-     linear in ``A_c = W_{v,c}^T W_{o,c}^T`` (rank ``d_h``), fitted jointly to the stream's
-     groups after attention minus the stream; each ``A_c`` is cut to its rank where its own
-     design ``P_c ñ`` measures it, and the left factor is ``W_v`` (:func:`value_weights`).
-     ``V``'s bias is 0: each row of ``P_c`` sums to one, so it would only add a constant.
+  1. ``q+k`` (kind ``"logits"``): the heads' queries and keys, fitted through their logits'
+     bilinear forms, grouped across models and averaged (:func:`~.attention.attention_logits`).
+  2. ``v+out``: the products of values and output, fitted jointly given the fused maps, the
+     values cut to each head's rank (:func:`~.attention.value_weights`).
   3. ``out``: ``O`` refitted given ``V``, which recovers what the cut lost.
   4. ``fc1``: the MLP's pre-activations (inner neurons, equal weights) from ``LN_2(a)``.
   5. ``fc2``: the block output's groups minus ``a`` from ``gelu(fc_1)``.
@@ -56,29 +42,27 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfuse.fusion.blocks.least_squares import gram_spectrum
+from fedfuse.fusion.blocks.attention import (
+    as_tokens,
+    attention_maps,
+    plain_norm,
+    split_heads,
+    token_rows,
+    value_weights,
+)
 from fedfuse.models.affine import AffineLevel, affine_view, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
 from fedfuse.models.symmetry import balance_query_key, balance_value_output
-from fedfuse.models.vit import Attention, EncoderBlock, PatchEmbedding
+from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
 Rows = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-#: ``group(points, weights, widths, k)``: the fused neuron (or head) of each base one, points
-#: as rows, model by model
-GroupFn = Callable[[torch.Tensor, torch.Tensor, list[int], int], torch.Tensor]
-_Fused = TypeVar("_Fused")
 
 
 @dataclass(frozen=True)
@@ -186,121 +170,6 @@ def output_moments(
     return mean, (second - mean * mean).clamp_min(0)
 
 
-#: :func:`whitener`'s default cut: eigenvalues below it times the Gram's mean eigenvalue are
-#: dropped (the zero-shot fit; ``whiten_rcond`` of the closed-form methods)
-WHITEN_RCOND = 1e-8
-_whiten_rcond: ContextVar[float] = ContextVar("whiten_rcond", default=WHITEN_RCOND)
-
-
-@contextmanager
-def whitening_cutoff(rcond: float) -> Iterator[None]:
-    """Within the block, :func:`whitener` drops eigen-directions below ``rcond`` times the
-    mean eigenvalue. Whitening gives every kept direction of a design equal weight, so the
-    factors fitted through it (attention's queries, keys and values) grow large along
-    directions the data barely excites; they leave the function on the data alone but turn a
-    training step into a large change. A cut near ``1e-3`` keeps them small at a small cost in
-    the zero-shot fit (``docs/results.md``)."""
-    token = _whiten_rcond.set(rcond)
-    try:
-        yield
-    finally:
-        _whiten_rcond.reset(token)
-
-
-def uses_whitening_cutoff(fuse: Callable[..., _Fused]) -> Callable[..., _Fused]:
-    """Decorate a fusion method's ``_fuse``: the pieces it fits whiten with the method's own
-    ``whiten_rcond`` (:func:`whitening_cutoff`)."""
-
-    @functools.wraps(fuse)
-    def fuse_with_cutoff(self: Any, *args: Any, **kwargs: Any) -> _Fused:
-        with whitening_cutoff(self.whiten_rcond):
-            return fuse(self, *args, **kwargs)
-
-    return fuse_with_cutoff
-
-
-def whitener(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(H, H^+)``: ``H H^T = gram`` on its range and ``H^+`` its pseudo-inverse transposed; a
-    map ``M`` cut as ``H^T M`` is cut where the data measures its error (``||X M||``). The
-    range is cut at :func:`whitening_cutoff`'s ``rcond``."""
-    spectrum = gram_spectrum(gram, rows=1, rcond=_whiten_rcond.get())
-    root = spectrum.values.sqrt()
-    return spectrum.vectors * root, spectrum.vectors / root
-
-
-def attention_logits(
-    translations: list[torch.Tensor],
-    heads: list[int],
-    gram: torch.Tensor,
-    fused_heads: int,
-    head_size: int,
-    group: GroupFn,
-    points: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused queries and keys ``[W̃_q^T, W̃_k^T]`` (``(d+1) x 2 * heads * head_size``) of a
-    ``q+k`` piece, and the fused head of each base head (module docstring, step 1).
-
-    ``translations[m]`` (``(d+1) x 2 w_m``): model ``m``'s queries then keys regressed on the
-    fused design (Gram ``gram``); ``heads[m]`` its head count. The heads are grouped by
-    ``points`` (a row per base head) when given, else by their forms."""
-    half, inverse = whitener(gram)
-    forms = []
-    for regressed, count in zip(translations, heads, strict=True):
-        width = regressed.shape[1] // 2
-        size = width // count
-        q, k = regressed[:, :width].double(), regressed[:, width:].double()
-        forms += [
-            q[:, g * size : (g + 1) * size] @ k[:, g * size : (g + 1) * size].T / math.sqrt(size)
-            for g in range(count)
-        ]
-    if points is None:
-        points = torch.stack([(half.T @ form @ half).flatten() for form in forms])
-    ones = torch.ones(len(points), dtype=points.dtype, device=points.device)
-    labels = group(points, ones, list(heads), fused_heads)
-    width = fused_heads * head_size
-    weights = gram.new_zeros(len(gram), 2 * width, dtype=torch.float64)
-    for c in range(fused_heads):
-        members = (labels == c).nonzero().flatten().tolist()
-        if not members:
-            continue
-        mean = sum(forms[i] for i in members) / len(members)
-        u, s, vh = torch.linalg.svd(half.T @ mean @ half)
-        r = min(head_size, len(s))
-        scale = s[:r].sqrt() * head_size**0.25
-        weights[:, c * head_size : c * head_size + r] = inverse @ (u[:, :r] * scale)
-        weights[:, width + c * head_size : width + c * head_size + r] = inverse @ (vh[:r].T * scale)
-    return weights, labels
-
-
-@torch.no_grad()
-def attention_map_points(blocks: list[nn.Module], inputs: list[torch.Tensor]) -> torch.Tensor:
-    """Each head's attention maps on its block's inputs (channels first), flattened as a row,
-    model by model: points to group heads by where they attend (the fusion set's alternative to
-    the logits' forms of :func:`attention_logits`)."""
-    rows = []
-    for block, x in zip(blocks, inputs, strict=True):
-        maps = _maps(block.attention, block.ln1(_tokens(x)))  # (n, heads, T, T)
-        rows.append(maps.transpose(0, 1).flatten(1))
-    return torch.cat(rows).double()
-
-
-def value_weights(
-    products: torch.Tensor, gram: torch.Tensor, heads: int, head_size: int
-) -> torch.Tensor:
-    """``W̃_v^T`` (``(d+1) x heads * head_size``, bias row 0) from the joint fit of the
-    ``v+out`` piece: each head's product block cut to rank ``head_size`` where its design
-    measures it (module docstring, step 2)."""
-    d = (len(products) - 1) // heads
-    weights = products.new_zeros(d + 1, heads * head_size, dtype=torch.float64)
-    for c in range(heads):
-        block = slice(c * d, (c + 1) * d)
-        half, inverse = whitener(gram[block, block])
-        u, _, _ = torch.linalg.svd(half.T @ products[block].double())
-        r = min(head_size, u.shape[1])
-        weights[:d, c * head_size : c * head_size + r] = inverse @ u[:, :r]
-    return weights
-
-
 # ------------------------------------------------------------------------------ ResNet
 def _identity(_level: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An identity shortcut's contribution: the level input itself, as rows."""
@@ -367,36 +236,21 @@ def _with_ones(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, rows.new_ones(len(rows), 1)], 1)
 
 
-def _rows(tokens: torch.Tensor) -> torch.Tensor:
-    return tokens.reshape(-1, tokens.shape[-1])
-
-
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """Channels-first level input ``(N, d, T)`` as tokens ``(N, T, d)``."""
-    return x.transpose(1, 2)
-
-
-def _normalised(tokens: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """``norm`` without its scale and shift (the fused norms are plain)."""
-    return F.layer_norm(tokens, norm.normalized_shape, eps=norm.eps)
-
-
-def _split(attention: Attention, y: torch.Tensor) -> torch.Tensor:
-    n, t, d = y.shape
-    return y.view(n, t, attention.heads, d // attention.heads).transpose(1, 2)
-
-
-def _maps(attention: Attention, normed: torch.Tensor) -> torch.Tensor:
-    """Attention probabilities ``(n, heads, T, T)`` on normalised tokens."""
-    q, k = _split(attention, attention.q(normed)), _split(attention, attention.k(normed))
-    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
-
-
 def _mid(block: EncoderBlock, x: torch.Tensor) -> torch.Tensor:
     """The stream after a block's attention, ``x + attn(ln_1 x)``, as tokens (the block's own
     norms: plain on the fused block, the model's on a base one)."""
-    tokens = _tokens(x)
+    tokens = as_tokens(x)
     return tokens + block.attention(block.ln1(tokens))
+
+
+def _mid_rows(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The stream after a block's attention as rows: the attention pieces' targets."""
+    return token_rows(_mid(level, x))
+
+
+def _input_rows(_level: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A block's input tokens as rows: the stream the attention pieces add to."""
+    return token_rows(as_tokens(x))
 
 
 def _embedding_design(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -433,9 +287,9 @@ def _load_logits(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None
 
 
 def _head_values(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    normed = _normalised(_tokens(x), level.ln1)
-    per_head = _maps(level.attention, normed) @ normed[:, None]  # (n, heads, T, d)
-    return _with_ones(_rows(per_head.transpose(1, 2).flatten(2)))
+    normed = plain_norm(as_tokens(x), level.ln1)
+    per_head = attention_maps(level.attention, normed) @ normed[:, None]  # (n, heads, T, d)
+    return _with_ones(token_rows(per_head.transpose(1, 2).flatten(2)))
 
 
 def _load_values(level: nn.Module, w: torch.Tensor, gram: torch.Tensor) -> None:
@@ -447,9 +301,10 @@ def _load_values(level: nn.Module, w: torch.Tensor, gram: torch.Tensor) -> None:
 
 def _head_outputs(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
     attention = level.attention
-    normed = _normalised(_tokens(x), level.ln1)
-    values = _split(attention, attention.v(normed))
-    return _with_ones(_rows((_maps(attention, normed) @ values).transpose(1, 2).flatten(2)))
+    normed = plain_norm(as_tokens(x), level.ln1)
+    values = split_heads(attention, attention.v(normed))
+    heads = attention_maps(attention, normed) @ values
+    return _with_ones(token_rows(heads.transpose(1, 2).flatten(2)))
 
 
 def _load_output(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
@@ -458,7 +313,7 @@ def _load_output(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None
 
 
 def _hidden(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return level.gelu(level.fc1(_normalised(_mid(level, x), level.ln2)))
+    return level.gelu(level.fc1(plain_norm(_mid(level, x), level.ln2)))
 
 
 def _set(name: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], None]:
@@ -484,11 +339,11 @@ _EMBEDDING = LinearPiece(
 _ENCODER = (
     LinearPiece(
         "q+k",
-        design=lambda m, x: _with_ones(_rows(_normalised(_tokens(x), m.ln1))),
+        design=lambda m, x: _with_ones(token_rows(plain_norm(as_tokens(x), m.ln1))),
         target=lambda m, x: torch.cat(
             [
-                _rows(m.attention.q(m.ln1(_tokens(x)))),
-                _rows(m.attention.k(m.ln1(_tokens(x)))),
+                token_rows(m.attention.q(m.ln1(as_tokens(x)))),
+                token_rows(m.attention.k(m.ln1(as_tokens(x)))),
             ],
             1,
         ),
@@ -500,25 +355,25 @@ _ENCODER = (
     LinearPiece(
         "v+out",
         design=_head_values,
-        target=lambda m, x: _rows(_mid(m, x)),
+        target=_mid_rows,
         fan_in=lambda m: m.attention.heads * m.attention.q.in_features + 1,
         width=_stream_width,
         load=_load_values,
-        stream=lambda m, x: _rows(_tokens(x)),
+        stream=_input_rows,
     ),
     LinearPiece(
         "out",
         design=_head_outputs,
-        target=lambda m, x: _rows(_mid(m, x)),
+        target=_mid_rows,
         fan_in=lambda m: m.attention.v.out_features + 1,
         width=_stream_width,
         load=_load_output,
-        stream=lambda m, x: _rows(_tokens(x)),
+        stream=_input_rows,
     ),
     LinearPiece(
         "fc1",
-        design=lambda m, x: _with_ones(_rows(_normalised(_mid(m, x), m.ln2))),
-        target=lambda m, x: _rows(m.fc1(m.ln2(_mid(m, x)))),
+        design=lambda m, x: _with_ones(token_rows(plain_norm(_mid(m, x), m.ln2))),
+        target=lambda m, x: token_rows(m.fc1(m.ln2(_mid(m, x)))),
         fan_in=lambda m: m.fc1.in_features + 1,
         width=lambda m: m.fc1.out_features,
         load=_set("fc1"),
@@ -526,27 +381,20 @@ _ENCODER = (
     ),
     LinearPiece(
         "fc2",
-        design=lambda m, x: _with_ones(_rows(_hidden(m, x))),
+        design=lambda m, x: _with_ones(token_rows(_hidden(m, x))),
         target=lambda m, x: output_rows(m(x)),
         fan_in=lambda m: m.fc2.in_features + 1,
         width=_stream_width,
         load=_set("fc2"),
-        stream=lambda m, x: _rows(_mid(m, x)),
+        stream=_mid_rows,
     ),
 )
 
 
 __all__ = [
-    "GroupFn",
     "LinearPiece",
-    "attention_logits",
-    "attention_map_points",
     "linear_pieces",
     "output_moments",
     "pre_output",
     "set_batchnorm",
-    "value_weights",
-    "whitener",
-    "uses_whitening_cutoff",
-    "whitening_cutoff",
 ]

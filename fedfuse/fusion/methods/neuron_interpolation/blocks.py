@@ -21,12 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedfuse.fusion.blocks.pieces import (
-    LinearPiece,
-    attention_logits,
-    attention_map_points,
-    linear_pieces,
-)
+from fedfuse.fusion.blocks.attention import attention_logits, attention_map_points
+from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
 from fedfuse.fusion.methods.neuron_interpolation.sublayers import (
     chunks,
@@ -148,11 +144,12 @@ def _fit_logits(
     group: GroupFn,
     parts: list[slice],
 ) -> tuple[float, torch.Tensor]:
-    """Fit an attention's queries and keys (:func:`~fedfuse.fusion.blocks.pieces.attention_logits`):
-    every model's regressed on the fused design in one ridge fit, the heads grouped by their
-    attention maps on the first :data:`HEAD_MATCH_SAMPLES` fusion samples (on a validation
-    split of two ViT site sets this beat grouping by the logits' forms by 1 point, lower loss
-    in all four fusions); returns the ridge and the fused head of each base head."""
+    """Fit an attention's queries and keys
+    (:func:`~fedfuse.fusion.blocks.attention.attention_logits`): every model's regressed on the
+    fused design in one ridge fit, the heads grouped by their attention maps on the first
+    :data:`HEAD_MATCH_SAMPLES` fusion samples (on a validation split of two ViT site sets this
+    beat grouping by the logits' forms by 1 point, lower loss in all four fusions); returns the
+    ridge and the fused head of each base head."""
 
     def targets(c: slice) -> torch.Tensor:
         return torch.cat(

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from fedfuse.fusion.blocks.attention import GroupFn
 from fedfuse.fusion.blocks.kmeans import weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
-from fedfuse.fusion.blocks.pieces import GroupFn
 from fedfuse.models.affine import output_rows
 
 GROUPINGS = ("hungarian", "kmeans")

@@ -23,7 +23,7 @@ from fedfuse.fusion.base import FusionInputs, FusionMethod
 from fedfuse.fusion.blocks.batchnorm import refold_batchnorm_statistics
 from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID
-from fedfuse.fusion.blocks.pieces import WHITEN_RCOND, uses_whitening_cutoff
+from fedfuse.fusion.blocks.whitening import WHITEN_RCOND, uses_whitening_cutoff
 from fedfuse.fusion.inputs import head_weights as resolve_head_weights
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.methods.neuron_interpolation import prior

@@ -41,12 +41,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedfuse.fusion.blocks import pieces
 from fedfuse.fusion.base import FusionInputs, FusionMethod
+from fedfuse.fusion.blocks.attention import attention_logits
 from fedfuse.fusion.blocks.kmeans import resolve_variance, weighted_centers, weighted_kmeans
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID, cholesky_upper, ridge_fit
 from fedfuse.fusion.blocks.matching import linear_assignment, one_to_one_labels
-from fedfuse.fusion.blocks.pieces import WHITEN_RCOND, LinearPiece, attention_logits, linear_pieces
+from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
+from fedfuse.fusion.blocks.whitening import WHITEN_RCOND, uses_whitening_cutoff
 from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
@@ -95,7 +96,7 @@ class SiteInterpolation(FusionMethod):
         ridge: relative ridge of every level's fit; None chooses it per level by GCV over
             :data:`~fedfuse.fusion.blocks.least_squares.RIDGE_GRID` from the sites' statistics.
         whiten_rcond: the cut of the attention fits' whitening; ``1e-3`` for a model to train
-            further (:func:`~fedfuse.fusion.blocks.pieces.whitening_cutoff`).
+            further (:func:`~fedfuse.fusion.blocks.whitening.whitening_cutoff`).
         fit_bias: whether an affine level's fit has an intercept: ``"auto"`` exactly when its
             layer has a bias (a bias-free layer's design has no column of ones), True always (an
             error names a level whose layer has none), False never (the server drops the
@@ -249,7 +250,7 @@ class SiteInterpolation(FusionMethod):
         )
         return levels
 
-    @pieces.uses_whitening_cutoff  # the algorithm
+    @uses_whitening_cutoff  # the algorithm
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
@@ -514,8 +515,8 @@ class SiteInterpolation(FusionMethod):
         level: nn.Module,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """An attention's queries and keys from each site's translation of its own queries and
-        keys (:func:`~fedfuse.fusion.blocks.pieces.attention_logits`), the pooled Gram measuring the
-        logits; returns the weights, the Gram and what the fit found."""
+        keys (:func:`~fedfuse.fusion.blocks.attention.attention_logits`), the pooled Gram
+        measuring the logits; returns the weights, the Gram and what the fit found."""
         order = list(statistics)
         gram = sum(statistics[m].full_gram() for m in order)
         heads = level.attention.heads

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from fedfuse.fusion.base import FusionInputs
-from fedfuse.fusion.blocks.pieces import WHITEN_RCOND
+from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.sites import SiteInterpolation
 from fedfuse.fusion.registry import register_fusion_method
