@@ -1,7 +1,7 @@
 """``fedfuse certs``, ``fedfuse keys``, ``fedfuse site-data``: the deployment tools' commands.
 
 The library side is :mod:`fedfuse.deploy.credentials` (TLS certificates, SuperNode keys) and
-:mod:`fedfuse.data.convert` (site data files).
+:mod:`fedfuse.data.convert` and :mod:`fedfuse.data.image_folder` (site data files).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from fedfuse.data.arrays import DEFAULT_MAX_CLASSES, SiteSummary
-from fedfuse.data.convert import DEFAULT_MAX_SIDE
+from fedfuse.data.images import DEFAULT_MAX_SIDE
 from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
 from fedfuse.deploy.credentials import (
     LOOPBACK_NAMES,
@@ -134,7 +134,9 @@ def site_data_command(args: argparse.Namespace) -> int:
     """``fedfuse site-data``: convert a site's data to a validated ``.npz`` (or check one)."""
     from fedfuse.data import save_npz_dataset
     from fedfuse.data.arrays import check_npz_dataset
-    from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz, parse_shape
+    from fedfuse.data.convert import from_arrays, from_medmnist_npz
+    from fedfuse.data.image_folder import from_image_folder
+    from fedfuse.data.images import parse_shape
 
     limits = {"max_classes": args.max_classes, "max_bytes": args.max_bytes}
     try:

@@ -15,9 +15,10 @@ from fedfuse.data._common import (
 )
 from fedfuse.data.arrays import check_npz_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.data.cifar import UnsafePickleError, safe_pickle_load
-from fedfuse.data.convert import from_arrays, from_image_folder, from_medmnist_npz
+from fedfuse.data.convert import from_arrays, from_medmnist_npz
 from fedfuse.data.dataset import ImageDataset
 from fedfuse.data.idx import read_idx
+from fedfuse.data.image_folder import from_image_folder
 from fedfuse.data.medmnist import read_medmnist_npz
 from fedfuse.data.registry import available_datasets, load_dataset, register_dataset
 

@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from fedfuse.data.arrays import to_nchw
-from fedfuse.data.convert import IMAGE_SUFFIXES, image_files, read_image, resize_images
+from fedfuse.data.image_folder import IMAGE_SUFFIXES, image_files
+from fedfuse.data.images import read_image, resize_images
 from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, NpzReader
 from fedfuse.io.checkpoint import Checkpoint, load_checkpoint
 from fedfuse.runtime import resolve_device

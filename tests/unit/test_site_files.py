@@ -16,7 +16,7 @@ from fedfuse.data import (
     load_npz_dataset,
     save_npz_dataset,
 )
-from fedfuse.data.convert import parse_shape
+from fedfuse.data.images import parse_shape
 
 RNG = np.random.default_rng(0)
 
