@@ -2,14 +2,24 @@
 
 Fixtures that a whole file needs are not autouse here: such a file names them once in its
 ``pytestmark = pytest.mark.usefixtures(...)``.
+
+The suite runs on pytest-xdist workers (pyproject's ``addopts``), one per core: each worker
+keeps torch on one thread, so that the workers do not fight over the cores.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture
