@@ -51,12 +51,8 @@ from fedfuse.data import ImageDataset
 from fedfuse.data.tensors import collect_samples
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.method_needs import upload_request_for
-from fedfuse.federation.uploads import (
-    StoredUpload,
-    UploadStore,
-    complete_fusion_set,
-    fusion_inputs,
-)
+from fedfuse.federation.upload_inputs import complete_fusion_set, fusion_inputs
+from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod, FusionResult, as_fusion_methods
 from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet

@@ -1,4 +1,4 @@
-"""Statistics rounds over Flower: the :class:`~fedfuse.fusion.statistics.rounds.SiteChannel` of a
+"""Statistics rounds over Flower: the :class:`~fedfuse.fusion.statistics.channels.SiteChannel` of a
 Flower run, used by methods fitted on the sites' data (``kf-sites``, ``hf-sites``).
 
 After the train round, such a method asks for one round per linear piece of each level (an
@@ -26,7 +26,8 @@ from fedfuse.clients.records import (
     unpack_statistics,
 )
 from fedfuse.clients.sum_records import pack_sum_request
-from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, check_reply
+from fedfuse.fusion.statistics.channels import check_reply
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.fusion.statistics.summed_terms import (
     SiteSums,
     SummedRequest,

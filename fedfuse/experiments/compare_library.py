@@ -22,12 +22,10 @@ from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, SiteSetup, finetune_site, train_site
-from fedfuse.federation.uploads import (
-    complete_fusion_set,
-    fusion_inputs,
-)
+from fedfuse.federation.upload_inputs import complete_fusion_set, fusion_inputs
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
-from fedfuse.fusion.statistics.rounds import LocalSites, statistics_round_bytes
+from fedfuse.fusion.statistics.channels import LocalSites
+from fedfuse.fusion.statistics.rounds import statistics_round_bytes
 from fedfuse.io.atomic import json_safe, write_json
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint
 from fedfuse.models import build_model

@@ -35,7 +35,7 @@ from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.methods.averaging.fisher import site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.registry import FUSION_METHODS, parse_method_names, split_method_options
-from fedfuse.fusion.statistics.rounds import LocalSites
+from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
 from fedfuse.runtime import PeakMemory, resolve_device
 from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES

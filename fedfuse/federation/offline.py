@@ -2,8 +2,8 @@
 
 One-shot fusion does not need a federation once the clients' checkpoints exist: this module
 loads them (with their importance scores and sample/class counts), builds the server's
-:class:`~fedfuse.fusion.FusionInputs` (:func:`~fedfuse.federation.uploads.fusion_inputs`) from a
-fusion set given as a short spec string, and runs any registered fusion method. It is
+:class:`~fedfuse.fusion.FusionInputs` (:func:`~fedfuse.federation.upload_inputs.fusion_inputs`)
+from a fusion set given as a short spec string, and runs any registered fusion method. It is
 Flower-free; the ``fedfuse fuse`` command (:mod:`fedfuse.cli.fuse`) writes the fused model as a
 checkpoint that records how it was made.
 """
@@ -23,7 +23,8 @@ from fedfuse.data import ImageDataset, load_dataset, load_npz_dataset
 from fedfuse.data._common import SPLITS
 from fedfuse.federation.evaluation import format_level_summary
 from fedfuse.federation.scenario import Scenario
-from fedfuse.federation.uploads import UploadFacts, UploadStore, fusion_inputs
+from fedfuse.federation.upload_inputs import UploadFacts, fusion_inputs
+from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import (
     FusionMethod,
     FusionResult,

@@ -33,7 +33,8 @@ from fedfuse.federation.uploads import ClientUpload, needs_grams
 from fedfuse.fusion.methods.averaging.fisher import fisher_kinds, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.class_gaussians import fit_class_gaussians
-from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.on_site import site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.fusion.statistics.summed_terms import SummedRequest, site_sources, terms_from_sources
 from fedfuse.io.grams import is_gram_factor
 from fedfuse.io.validation import load_validated_state
@@ -331,7 +332,7 @@ def answer_statistics_request(
     policy: SitePolicy | None = None,
 ) -> SiteStatistics:
     """One statistics round of a site: the statistics of its own model and the fused prefix on
-    its own training data (:func:`~fedfuse.fusion.statistics.rounds.site_statistics`). A
+    its own training data (:func:`~fedfuse.fusion.statistics.on_site.site_statistics`). A
     statistic that breaks the site's ``policy`` is refused
     (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
     data = load_site_data(settings, partition_id, num_partitions, data_path)

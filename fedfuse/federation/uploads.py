@@ -7,9 +7,9 @@ hands fusion methods lazy sequences: a model is loaded memory-mapped only when a
 it, and a site's Gram matrices only while RegMean sums them. The same directory is what
 ``fedfuse fuse <run dir>`` fuses again with another method, long after the sites went home.
 
-:func:`fusion_inputs` is the one place the server's :class:`~fedfuse.fusion.FusionInputs` are
-built from uploads (a store, the uploads themselves, or the facts read from checkpoint files)
-and its fusion set; :func:`needs_grams` says whether the sites must upload Gram matrices.
+:func:`needs_grams` says whether the sites must upload Gram matrices. What the server makes of
+the uploads for the fusion methods (:class:`~fedfuse.fusion.FusionInputs`, the completed fusion
+set) comes from :mod:`fedfuse.federation.upload_inputs`.
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
-from torch import nn
 
-from fedfuse.data import ImageDataset
-from fedfuse.fusion import FusionInputs, FusionMethod
-from fedfuse.fusion.inversion import InvertedFusionSet
-from fedfuse.fusion.statistics.class_gaussians import ClassGaussians, GaussianFusionSet
+from fedfuse.fusion import FusionMethod
+from fedfuse.fusion.statistics.class_gaussians import ClassGaussians
 from fedfuse.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedfuse.io.validation import (
     ContributionError,
@@ -62,7 +59,7 @@ class ClientUpload:
     init: str
     train_loss: float
     grams: dict[int, torch.Tensor] | None = None
-    #: the site's Fisher information (:func:`fedfuse.fusion.methods.averaging.fisher.site_fisher`),
+    #: the site's Fisher information (:func:`fedfuse.fusion.statistics.fisher.site_fisher`),
     #: when a method of the run reads it
     fisher: dict[str, torch.Tensor] | None = None
     #: the site's class Gaussians (:mod:`fedfuse.fusion.statistics.class_gaussians`), when the run
@@ -331,31 +328,11 @@ class UploadStore:
 
     def grams(self) -> LazySequence[dict[int, torch.Tensor]] | None:
         """Every site's Gram matrices, loaded one site at a time; None unless all sent them."""
-        entries = self.entries
-        if not entries or not all(e.has_grams for e in entries):
-            return None
-        paths = [e.path for e in entries]
-
-        def load(index: int) -> dict[int, torch.Tensor]:
-            grams = load_checkpoint(paths[index], with_grams=True).grams
-            assert grams is not None
-            return grams
-
-        return LazySequence(len(paths), load)
+        return self._lazy_part("grams", lambda entry: entry.has_grams)
 
     def fisher(self) -> LazySequence[dict[str, torch.Tensor]] | None:
         """Every site's Fisher information, loaded one site at a time; None unless all sent it."""
-        entries = self.entries
-        if not entries or not all(e.has_fisher for e in entries):
-            return None
-        paths = [e.path for e in entries]
-
-        def load(index: int) -> dict[str, torch.Tensor]:
-            fisher = load_checkpoint(paths[index], with_fisher=True).fisher
-            assert fisher is not None
-            return fisher
-
-        return LazySequence(len(paths), load)
+        return self._lazy_part("fisher", lambda entry: entry.has_fisher)
 
     def class_gaussians(self) -> list[ClassGaussians] | None:
         """Every site's class Gaussians (small), checked as read; None unless all sent them.
@@ -363,10 +340,30 @@ class UploadStore:
         Raises:
             CheckpointError: naming the site file whose Gaussians are unusable.
         """
+        paths = self._sent_by_all(lambda entry: entry.has_class_gaussians)
+        return None if paths is None else [_class_gaussians(path) for path in paths]
+
+    def _sent_by_all(self, sent: Callable[[StoredUpload], bool]) -> list[Path] | None:
+        """The site files by partition id when every site sent a part (``sent``); else None."""
         entries = self.entries
-        if not entries or not all(e.has_class_gaussians for e in entries):
+        if not entries or not all(sent(entry) for entry in entries):
             return None
-        return [_class_gaussians(e.path) for e in entries]
+        return [entry.path for entry in entries]
+
+    def _lazy_part(
+        self, part: Literal["grams", "fisher"], sent: Callable[[StoredUpload], bool]
+    ) -> LazySequence[Any] | None:
+        """Every site's ``part`` of its file, loaded one site at a time; None unless all sent it."""
+        paths = self._sent_by_all(sent)
+        if paths is None:
+            return None
+
+        def load(index: int) -> Any:
+            tensors = getattr(load_checkpoint(paths[index], **{f"with_{part}": True}), part)
+            assert tensors is not None
+            return tensors
+
+        return LazySequence(len(paths), load)
 
     def scores(self) -> list[Scores] | None:
         """Every site's importance scores; None unless all sent them."""
@@ -400,115 +397,3 @@ def needs_grams(methods: Iterable[FusionMethod]) -> bool:
     as their declared :meth:`~fedfuse.fusion.FusionMethod.needs` say; sites upload them only
     then (they are large)."""
     return any("grams" in method.needs() for method in methods)
-
-
-@dataclass(frozen=True)
-class UploadFacts:
-    """What the server knows of the sites besides their models, one entry per site (None where
-    not every site has it): importance scores, sample and class counts, Gram matrices."""
-
-    scores: Sequence[Scores] | None
-    sample_counts: Sequence[int] | None
-    class_counts: Sequence[Sequence[int]] | None
-    grams: Sequence[dict[int, torch.Tensor]] | None = None
-    fisher: Sequence[dict[str, torch.Tensor]] | None = None
-
-
-def upload_facts(uploads: UploadStore | Sequence[ClientUpload] | UploadFacts) -> UploadFacts:
-    """The sites' facts from a run's store (scores and Grams None unless every site sent them;
-    Grams loaded one site at a time), from the uploads in memory, or as given."""
-    if isinstance(uploads, UploadFacts):
-        return uploads
-    if isinstance(uploads, UploadStore):
-        entries = uploads.entries
-        return UploadFacts(
-            scores=uploads.scores(),
-            sample_counts=[e.num_examples for e in entries],
-            class_counts=_all_or_none([e.class_counts for e in entries]),
-            grams=uploads.grams(),
-            fisher=uploads.fisher(),
-        )
-    return UploadFacts(
-        scores=[u.scores for u in uploads],
-        sample_counts=[u.num_examples for u in uploads],
-        class_counts=_all_or_none([u.class_counts for u in uploads]),
-        grams=[u.grams for u in uploads] if all(u.grams for u in uploads) else None,
-        fisher=[u.fisher for u in uploads] if all(u.fisher for u in uploads) else None,
-    )
-
-
-def uploaded_class_gaussians(
-    uploads: UploadStore | Sequence[ClientUpload],
-) -> list[ClassGaussians] | None:
-    """Every site's class Gaussians, by partition id (a store) or in order; None unless every
-    site sent them."""
-    if isinstance(uploads, UploadStore):
-        return uploads.class_gaussians()
-    return _all_or_none([u.class_gaussians for u in uploads])
-
-
-def complete_fusion_set(
-    models: Sequence[nn.Module],
-    inputs: FusionInputs,
-    uploads: UploadStore | Sequence[ClientUpload],
-    *,
-    inversion: InvertedFusionSet | None = None,
-    gaussians: GaussianFusionSet | None = None,
-) -> FusionInputs:
-    """``inputs`` with the fusion set completed as the run asks: rows inverted from the
-    uploaded models' BatchNorm statistics, then rows drawn from the sites' uploaded class
-    Gaussians (either None: not). Unchanged without a fusion set.
-
-    Raises:
-        ValueError: the run draws from class Gaussians and a site sent none.
-    """
-    if inputs.data is None:
-        return inputs
-    if inversion is not None:
-        inputs = inversion.complete_inputs(models, inputs, upload_facts(uploads).class_counts)
-    if gaussians is not None:
-        sent = uploaded_class_gaussians(uploads)
-        if sent is None:
-            raise ValueError(
-                "the fusion set is completed from the sites' class Gaussians "
-                "(fusion-gaussian-samples), and not every site sent them"
-            )
-        inputs = gaussians.complete_inputs(inputs, sent)
-    return inputs
-
-
-def _all_or_none(values: list[T | None]) -> list[T] | None:
-    return None if any(v is None for v in values) else values  # type: ignore[return-value]
-
-
-def fusion_inputs(
-    uploads: UploadStore | Sequence[ClientUpload] | UploadFacts,
-    fusion_set: ImageDataset | tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    *,
-    sites: Any = None,
-    needs: Iterable[str] | None = None,
-) -> FusionInputs:
-    """The :class:`~fedfuse.fusion.FusionInputs` of a fusion: the fusion set's inputs and labels
-    (None without one; an ``ImageDataset``, or ``(inputs, labels)`` already normalised), the
-    sites' facts (:func:`upload_facts`) and ``sites``, the channel of statistics rounds (None:
-    none). With ``needs`` (a method's :meth:`~fedfuse.fusion.FusionMethod.needs`), the other
-    fields are left None."""
-    facts = upload_facts(uploads)
-    if isinstance(fusion_set, ImageDataset):
-        data, labels = fusion_set.inputs(), fusion_set.labels
-    else:
-        data, labels = fusion_set if fusion_set is not None else (None, None)
-    fields: dict[str, Any] = {
-        "data": data,
-        "labels": labels,
-        "scores": facts.scores,
-        "sample_counts": facts.sample_counts,
-        "class_counts": facts.class_counts,
-        "grams": facts.grams,
-        "fisher": facts.fisher,
-        "sites": sites,
-    }
-    if needs is not None:
-        wanted = set(needs)
-        fields = {k: v for k, v in fields.items() if k in wanted}
-    return FusionInputs(**fields)

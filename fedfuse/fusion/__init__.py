@@ -46,12 +46,9 @@ from fedfuse.fusion.registry import (
     make_fusion_methods,
     register_fusion_method,
 )
-from fedfuse.fusion.statistics.rounds import (
-    LocalSites,
-    SiteStatistics,
-    StatisticsRequest,
-    site_statistics,
-)
+from fedfuse.fusion.statistics.channels import LocalSites
+from fedfuse.fusion.statistics.on_site import site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 
 __all__ = [
     "CCAMerge",

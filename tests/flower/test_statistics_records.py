@@ -13,7 +13,8 @@ from fedfuse.clients.records import (
     unpack_statistics,
     unpack_statistics_request,
 )
-from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.on_site import site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.models import build_model, make_spec
 from tests.helpers import randn
 

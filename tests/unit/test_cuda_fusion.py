@@ -16,7 +16,7 @@ from fedfuse.experiments import speed
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
-from fedfuse.fusion.statistics.rounds import LocalSites
+from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.models import build_model, make_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

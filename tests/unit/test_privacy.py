@@ -10,6 +10,7 @@ import torch
 
 from fedfuse.clients.records import pack_statistics_request, unpack_statistics_request
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.privacy import (
     GaussianStatistics,
     calibrate_noise,
@@ -17,7 +18,7 @@ from fedfuse.fusion.statistics.privacy import (
     noisy_moments,
     spent_epsilon,
 )
-from fedfuse.fusion.statistics.rounds import StatisticsRequest, site_statistics
+from fedfuse.fusion.statistics.rounds import StatisticsRequest
 from fedfuse.models import build_model, mlp_spec
 from tests.helpers import randn
 

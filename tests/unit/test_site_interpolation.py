@@ -13,7 +13,8 @@ from fedfuse.fusion import HFSites, KFSites, LocalSites, StatisticsRequest, site
 from fedfuse.fusion.blocks.batchnorm import batchnorm_input_statistics
 from fedfuse.fusion.blocks.least_squares import ridge_fit, weighted_least_squares
 from fedfuse.fusion.inputs import FusionInputs
-from fedfuse.fusion.statistics.rounds import SiteStatistics, compress_gram
+from fedfuse.fusion.statistics.on_site import compress_gram
+from fedfuse.fusion.statistics.rounds import SiteStatistics
 from fedfuse.models import build_model, make_spec, mlp_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
 from fedfuse.models.symmetry import permute_model, random_permutations

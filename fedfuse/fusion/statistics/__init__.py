@@ -1,8 +1,10 @@
 """What sites compute on their own data and send the server, beyond their weights.
 
-* :mod:`.rounds`: the sufficient statistics of one level for a statistics round
-  (:class:`~.rounds.StatisticsRequest`, :func:`~.rounds.site_statistics`,
-  :class:`~.rounds.LocalSites`);
+* :mod:`.rounds`: a statistics round's messages, the sufficient statistics of one level
+  (:class:`~.rounds.StatisticsRequest`, :class:`~.rounds.SiteStatistics`);
+* :mod:`.on_site`: how a site computes them on its own data (:func:`~.on_site.site_statistics`);
+* :mod:`.channels`: how the server reaches the sites (:class:`~.channels.SiteChannel`,
+  :class:`~.channels.LocalSites`) and checks their replies;
 * :mod:`.readings`: how the server reads each site's neurons as fused neurons;
 * :mod:`.summed_terms` and :mod:`.fixed_point`: fits that need only sums over sites, and their
   fixed-point units for secure aggregation;

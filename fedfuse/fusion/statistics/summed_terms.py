@@ -39,13 +39,10 @@ from typing import Any
 import torch
 
 from fedfuse.fusion.blocks.pieces import linear_pieces
+from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.fusion.statistics.fixed_point import FixedPoint, coarse_norm_scale, norm_bound
-from fedfuse.fusion.statistics.rounds import (
-    LocalSites,
-    SiteStatistics,
-    StatisticsRequest,
-    site_statistics,
-)
+from fedfuse.fusion.statistics.on_site import site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel
 
 #: the clipping range of the norms round, in its coarse units
@@ -265,7 +262,7 @@ def add_terms(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Te
 
 def sum_over_sites(sites: Any, summed: SummedRequest) -> SiteSums:
     """The sums of one round over the sites of ``sites``: a channel that sums itself (the
-    Flower channel, securely or not) does; :class:`~fedfuse.fusion.statistics.rounds.LocalSites`
+    Flower channel, securely or not) does; :class:`~fedfuse.fusion.statistics.channels.LocalSites`
     computes each site's terms in-process and adds them (its bytes: the terms in float32)."""
     if hasattr(sites, "sum_terms"):
         return sites.sum_terms(summed)

@@ -58,7 +58,8 @@ from fedfuse.fusion.blocks.least_squares import ridge_fit
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.sites import SiteInterpolation
 from fedfuse.fusion.registry import register_fusion_method
-from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest, check_reply
+from fedfuse.fusion.statistics.channels import check_reply
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.io.grams import full_gram, gram_size
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.affine import AffineLevel, affine_view, channel_blocks
@@ -127,7 +128,7 @@ def gram_statistics(
     *,
     where: str = "site",
 ) -> SiteStatistics:
-    """The statistics :func:`~fedfuse.fusion.statistics.rounds.site_statistics` would return for
+    """The statistics :func:`~fedfuse.fusion.statistics.on_site.site_statistics` would return for
     an affine level, from the site's uploaded level Gram (full or factor) and its ``model``;
     ``reading``: the site's reading of the fused level's input neurons (None on the first
     neuron level). The fused design is approximated as the site's mapped by

@@ -52,6 +52,7 @@ from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
 from fedfuse.fusion.registry import register_fusion_method
+from fedfuse.fusion.statistics.channels import SiteChannel, checked_replies
 from fedfuse.fusion.statistics.privacy import (
     GaussianStatistics,
     calibrate_noise,
@@ -67,10 +68,8 @@ from fedfuse.fusion.statistics.readings import (
 )
 from fedfuse.fusion.statistics.rounds import (
     STATISTICS_DTYPES,
-    SiteChannel,
     SiteStatistics,
     StatisticsRequest,
-    checked_replies,
     without_intercept,
 )
 from fedfuse.fusion.statistics.summed_terms import summed_statistics
@@ -84,9 +83,9 @@ class SiteInterpolation(FusionMethod):
     """Neuron-interpolation fusion fitted on the sites' statistics (one round per level).
 
     The shared base of :class:`HFSites` and :class:`KFSites`. Needs
-    :attr:`FusionInputs.sites`, a :class:`~fedfuse.fusion.statistics.rounds.SiteChannel` (in a
+    :attr:`FusionInputs.sites`, a :class:`~fedfuse.fusion.statistics.channels.SiteChannel` (in a
     Flower run the strategy provides it; in the library,
-    :class:`~fedfuse.fusion.statistics.rounds.LocalSites`); no fusion set.
+    :class:`~fedfuse.fusion.statistics.channels.LocalSites`); no fusion set.
 
     Args:
         grouping: ``"hungarian"`` (models of the target's width, one neuron of each per

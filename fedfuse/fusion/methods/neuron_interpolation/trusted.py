@@ -27,7 +27,7 @@ most confident in its label. Bottom-up, on the fused prefix's design rows :math:
       + \lambda \lVert W \rVert^2,
 
 in closed form from the weighted statistics
-(:func:`~fedfuse.fusion.statistics.rounds.site_statistics` with ``sample_weights``), the ridge
+(:func:`~fedfuse.fusion.statistics.on_site.site_statistics` with ``sample_weights``), the ridge
 :math:`\lambda` by GCV, neurons grouped by their translations into the fused inputs (K-means
 or Hungarian) as ``kf-sites`` groups them. Inside ResNet and ViT blocks every linear piece is
 fitted this way. The server computes everything on the fusion set it holds: one upload per
@@ -54,7 +54,7 @@ from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.sites import SiteInterpolation
 from fedfuse.fusion.registry import register_fusion_method
-from fedfuse.fusion.statistics.rounds import LocalSites
+from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.runtime import resolve_device
 

@@ -1,0 +1,138 @@
+"""How the server reaches the sites for statistics rounds, and how it checks what they send.
+
+A method fitted on the sites' data asks through a :class:`SiteChannel`, one site per base model:
+:class:`LocalSites` answers in-process (the library, ``fedfuse compare``, tests), the Flower
+strategy by one query message per site and round. Every reply is checked against the request and
+the site's own model (:func:`check_reply`) before the fit reads it: a site's statistics are
+input from outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from fedfuse.fusion.blocks.pieces import linear_pieces
+from fedfuse.fusion.statistics.on_site import site_statistics
+from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
+from fedfuse.models import LeveledModel
+
+
+@runtime_checkable
+class SiteChannel(Protocol):
+    """How the server reaches the sites for statistics rounds, one per base model."""
+
+    def __len__(self) -> int: ...
+
+    def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
+        """Each site's statistics, in model order; None for a site that did not answer (the
+        channel records why in :attr:`problems`)."""
+        ...
+
+    @property
+    def problems(self) -> list[str]: ...
+
+
+class LocalSites:
+    """The sites in-process: each base model with its own training inputs (and, optionally,
+    a weight per input: ``sample_weights`` of
+    :func:`~fedfuse.fusion.statistics.on_site.site_statistics`; a site whose weights sum
+    to 0 does not answer).
+
+    The library's :class:`SiteChannel` (``fedfuse compare``, tests, notebooks): every request is
+    answered by :func:`site_statistics` on each site's data, one site after the other.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[LeveledModel],
+        data: Sequence[torch.Tensor],
+        *,
+        batch_size: int = 256,
+        device: str | torch.device = "auto",
+        sample_weights: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if len(models) != len(data):
+            raise ValueError(f"LocalSites: {len(models)} models but {len(data)} datasets")
+        if sample_weights is not None and len(sample_weights) != len(data):
+            raise ValueError(
+                f"LocalSites: {len(sample_weights)} weight vectors for {len(data)} datasets"
+            )
+        self.sample_weights = None if sample_weights is None else list(sample_weights)
+        self.models = list(models)
+        self.data = list(data)
+        self.batch_size = batch_size
+        self.device = device
+        self._problems: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    @property
+    def problems(self) -> list[str]:
+        return self._problems
+
+    def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
+        replies: list[SiteStatistics | None] = []
+        for i, (model, data) in enumerate(zip(self.models, self.data, strict=True)):
+            weights = None if self.sample_weights is None else self.sample_weights[i]
+            if weights is not None and not float(torch.as_tensor(weights).sum()) > 0:
+                replies.append(None)  # no row counts for this site: it has nothing to say
+                continue
+            replies.append(
+                site_statistics(
+                    model,
+                    data,
+                    request.for_site(i),
+                    batch_size=self.batch_size,
+                    device=self.device,
+                    sample_weights=weights,
+                )
+            )
+        return replies
+
+
+def check_reply(
+    reply: SiteStatistics, request: StatisticsRequest, model: LeveledModel, source: str
+) -> None:
+    """Raise ValueError naming ``source`` unless ``reply`` answers ``request`` with the shapes
+    and values of the piece of the site's own ``model``."""
+    if (reply.level, reply.piece) != (request.level, request.piece):
+        raise ValueError(
+            f"{source}: answered for level {reply.level} piece {reply.piece}, not "
+            f"{request.level} piece {request.piece}"
+        )
+    level, piece = request.fused.levels[request.level], request.linear_piece
+    own_level = model.levels[request.level]
+    own_pieces = linear_pieces(own_level)
+    if own_pieces is None or len(own_pieces) <= request.piece:
+        raise ValueError(f"{source}: its model has no piece {request.piece} here")
+    reply.check(
+        piece.fan_in(level),
+        own_pieces[request.piece].width(own_level),
+        source=source,
+        stream_width=piece.width(level) if piece.stream is not None else None,
+    )
+
+
+def checked_replies(
+    replies: Sequence[SiteStatistics | None],
+    request: StatisticsRequest,
+    models: Sequence[LeveledModel],
+    active: Sequence[int],
+    where: str,
+) -> dict[int, SiteStatistics]:
+    """The replies of the ``active`` sites that answered, by model index, each checked against
+    its own model's piece (:func:`check_reply`; ValueError naming ``where`` and the site)."""
+    statistics = {}
+    for index in active:
+        reply = replies[index]
+        if reply is not None:
+            check_reply(reply, request, models[index], f"{where}: site {index}")
+            statistics[index] = reply
+    return statistics
+
+
+__all__ = ["LocalSites", "SiteChannel", "check_reply", "checked_replies"]
