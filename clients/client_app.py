@@ -26,9 +26,10 @@ from flwr.clientapp import ClientApp
 
 from fedfuse.federation.contract import SiteRefusal
 from fedfuse.federation.site import (
+    SiteIdentity,
+    SiteSetup,
     answer_statistics_request,
     check_site_data,
-    check_site_policy,
     finetune_site,
     load_site_data,
     train_site,
@@ -43,7 +44,7 @@ from .records import (
     pack_site_ready,
     pack_statistics,
     pack_upload,
-    unpack_contract,
+    unpack_contract_query,
     unpack_finetune_request,
     unpack_statistics_request,
     unpack_train_request,
@@ -71,30 +72,22 @@ def _cannot_take_part(msg: Message, error: Exception, name: str, partition_id: i
 
 @app.train()
 def train_and_upload(msg: Message, context: Context) -> Message:
-    """Train on the site's data, compute importance scores, reply with weights + scores (and
-    the Gram matrices when the server's message asks for them)."""
+    """Train on the site's data, compute importance scores, reply with weights + scores and
+    whatever else the server's message asks for (Grams, Fisher, class Gaussians)."""
     configure_logging()
     name = site_name(context)
     partition_id = -1
     try:
         partition_id, num_partitions, data_path = site_identity(context)
+        site = SiteIdentity(partition_id, num_partitions, name, data_path)
         settings = RunSettings.from_config(context.run_config)
         request = unpack_train_request(msg.content)
-        policy = site_policy(context)
-        upload = train_site(
-            settings,
-            partition_id,
-            num_partitions,
-            request.initial_state,
-            data_path=data_path,
-            send_grams=request.send_grams,
-            send_fisher=request.send_fisher,
-            send_gaussians=request.send_gaussians,
-            cache=run_site_cache(settings, partition_id, num_partitions, data_path),
+        setup = SiteSetup(
             contract=request.contract,
-            site_name=name,
-            policy=policy,
+            policy=site_policy(context),
+            cache=run_site_cache(settings, partition_id, num_partitions, data_path),
         )
+        upload = train_site(settings, site, request.upload, request.initial_state, setup)
     except Exception as error:  # the server is told which site cannot take part, and why
         return _cannot_take_part(msg, error, name, partition_id)
     finally:  # a simulation's worker trains site after site: hand back what this one freed
@@ -104,31 +97,24 @@ def train_and_upload(msg: Message, context: Context) -> Message:
 
 @app.query("contract")
 def check_contract(msg: Message, context: Context) -> Message:
-    """The check before training: does the site's data match the run's data contract? The
-    site answers that it is ready, or refuses (or failed) and says why."""
+    """The check before training: does the site's data match the run's data contract, and does
+    its policy allow what the run will ask it to send? The site answers that it is ready, or
+    refuses (or failed) and says why."""
     configure_logging()
     name = site_name(context)
     partition_id = -1
     try:
         partition_id, num_partitions, data_path = site_identity(context)
+        site = SiteIdentity(partition_id, num_partitions, name, data_path)
         settings = RunSettings.from_config(context.run_config)
-        contract = unpack_contract(msg.content, what="the server's check")
+        contract, request = unpack_contract_query(msg.content)
         policy = site_policy(context)
         samples = 0  # the site's size matters to its policy only with a minimum of rows
         if contract is not None:
-            samples = len(
-                check_site_data(
-                    settings,
-                    contract,
-                    partition_id,
-                    num_partitions,
-                    data_path=data_path,
-                    site_name=name,
-                )
-            )
+            samples = len(check_site_data(settings, contract, site))
         elif policy.min_statistic_rows:
             samples = len(load_site_data(settings, partition_id, num_partitions, data_path))
-        check_site_policy(settings, policy, samples)
+        policy.check_request(settings.method_names(), request, samples)
     except Exception as error:  # the server is told which site cannot take part, and why
         return _cannot_take_part(msg, error, name, partition_id)
     return Message(content=pack_site_ready(site_name=name, partition_id=partition_id), reply_to=msg)

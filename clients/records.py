@@ -1,7 +1,8 @@
-"""The wire format of the server's train message (the initial model, whether to send Gram
-matrices), of a client's upload (weights, importance scores, site facts), of the statistics
-rounds (the server's request, the site's statistics) and of the fine-tuning round
-after fusion (the fused model out, each site's fine-tuned copy back).
+"""The wire format of the server's train message (the initial model, and what the site sends
+besides its weights: an :class:`~fedfuse.federation.upload_request.UploadRequest`), of a
+client's upload (weights, importance scores, site facts), of the statistics rounds (the
+server's request, the site's statistics) and of the fine-tuning round after fusion (the fused
+model out, each site's fine-tuned copy back).
 
 Both sides use these helpers, so the record keys are defined once. Tensors travel as Flower
 ``ArrayRecord``s (numpy buffers, never pickles); the site facts as a ``ConfigRecord``.
@@ -17,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedfuse.federation.contract import DataContract
+from fedfuse.federation.upload_request import ROUND_KINDS, UploadRequest
 from fedfuse.federation.uploads import ClientUpload
 from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS
 from fedfuse.fusion.statistics.privacy import GaussianStatistics
@@ -34,16 +36,21 @@ GAUSSIANS_KEY = "class-gaussians"
 CONFIG_KEY = "config"
 #: metrics ``seconds-<phase>``: the wall time of a site's phases
 SECONDS_PREFIX = "seconds-"
-#: train-message config key: whether the site uploads its level Gram matrices (a method of the
-#: run reads them, :func:`fedfuse.federation.uploads.needs_grams`)
+#: train-message (and contract-query) config key: whether the site uploads its level Gram
+#: matrices (:attr:`fedfuse.federation.upload_request.UploadRequest.grams`)
 SEND_GRAMS_KEY = "send-grams"
-#: train-message config key: the Fisher kinds the site uploads (a comma list of
-#: :data:`fedfuse.fusion.methods.averaging.fisher.FISHER_KINDS`, "" for none; what the run's methods
-#: read)
+#: train-message (and contract-query) config key: the Fisher kinds the site uploads (a comma list
+#: of :data:`fedfuse.fusion.methods.averaging.fisher.FISHER_KINDS`, "" for none)
 SEND_FISHER_KEY = "send-fisher"
-#: train-message config key: the rank of the class Gaussians the site uploads (0: none; the run
-#: completes its fusion set from them, :mod:`fedfuse.fusion.statistics.class_gaussians`)
+#: train-message (and contract-query) config key: the rank of the class Gaussians the site
+#: uploads (0: none; the run completes its fusion set from them)
 SEND_GAUSSIANS_KEY = "send-class-gaussians"
+#: train-message (and contract-query) config key: the statistics rounds the run asks after the
+#: upload ("", "rounds" or "secure-sums"; the site's policy judges them before it trains)
+STATISTICS_ROUNDS_KEY = "statistics-rounds"
+#: the keys of an :class:`~fedfuse.federation.upload_request.UploadRequest` in a message's
+#: config: every one is required (a site never guesses what the server wants)
+UPLOAD_REQUEST_KEYS = (SEND_GRAMS_KEY, SEND_FISHER_KEY, SEND_GAUSSIANS_KEY, STATISTICS_ROUNDS_KEY)
 #: train-message config key, to a plain ClientApp: the extras it should send (a comma list of
 #: :data:`fedfuse.federation.plain_site.EXTRAS`); reply record of those extras
 EXTRAS_KEY = "fusion-extras"
@@ -65,19 +72,15 @@ def pack_train_request(
     arrays: ArrayRecord,
     config: ConfigRecord,
     *,
-    send_grams: bool,
-    send_fisher: Sequence[str] = (),
-    send_gaussians: int = 0,
+    request: UploadRequest,
     extras: Sequence[str] = (),
     score_method: str = "",
     contract: DataContract | None = None,
 ) -> RecordDict:
     """The server's train message: the initial model (empty unless ``init="shared"``) and its
-    ``config`` with ``send-grams`` and the data ``contract`` added (and, for a plain ClientApp,
-    the ``extras`` to send)."""
-    config[SEND_GRAMS_KEY] = bool(send_grams)
-    config[SEND_FISHER_KEY] = ",".join(send_fisher)
-    config[SEND_GAUSSIANS_KEY] = int(send_gaussians)
+    ``config`` with what the site sends besides its weights (``request``) and the data
+    ``contract`` added (and, for a plain ClientApp, the ``extras`` to send)."""
+    pack_upload_request(config, request)
     if contract is not None:
         config[CONTRACT_KEY] = json.dumps(contract.to_dict())
     if extras:
@@ -88,49 +91,60 @@ def pack_train_request(
 
 @dataclass(frozen=True)
 class TrainRequest:
-    """A train message, unpacked: the initial model (None when it holds none), whether to send
-    Gram matrices (None when the message does not say: the site then asks the run's methods)
-    and the data contract (None: the server sent none)."""
+    """A train message, unpacked: the initial model (None when it holds none), what the site
+    sends besides its weights and scores, and the data contract (None: the server sent none)."""
 
     initial_state: dict[str, torch.Tensor] | None
-    send_grams: bool | None
+    upload: UploadRequest
     contract: DataContract | None
-    #: the Fisher kinds to upload (None when the message does not say)
-    send_fisher: tuple[str, ...] | None = None
-    #: the rank of the class Gaussians to upload, 0 for none (None when the message does not say)
-    send_gaussians: int | None = None
 
 
 def unpack_train_request(content: RecordDict) -> TrainRequest:
-    """The :class:`TrainRequest` in a train message (a malformed contract raises ValueError)."""
+    """The :class:`TrainRequest` in a train message; a malformed contract, or an upload request
+    missing a key or holding a malformed value, raises ValueError naming it."""
     initial = content.array_records.get(WEIGHTS_KEY)
     initial_state = unpack_tensors(initial) if initial is not None and len(initial) else None
-    config = content.config_records.get(CONFIG_KEY)
-    send_grams = config.get(SEND_GRAMS_KEY) if config is not None else None
-    contract = unpack_contract(content, what="the train message")
-    fisher = config.get(SEND_FISHER_KEY) if config is not None else None
-    send_fisher = None
-    if fisher is not None:
-        send_fisher = tuple(k for k in str(fisher).split(",") if k)
-        unknown = sorted(set(send_fisher) - set(FISHER_KINDS))
-        if unknown:
-            raise ValueError(f"the train message asks for unknown Fisher kinds {unknown}")
-    gaussians = config.get(SEND_GAUSSIANS_KEY) if config is not None else None
-    send_gaussians = None
-    if gaussians is not None:
-        if isinstance(gaussians, bool) or not isinstance(gaussians, int) or gaussians < 0:
-            raise ValueError(
-                f"the train message asks for class Gaussians of rank {gaussians!r}, "
-                "not a whole number >= 0"
-            )
-        send_gaussians = int(gaussians)
-    return TrainRequest(
-        initial_state,
-        None if send_grams is None else bool(send_grams),
-        contract,
-        send_fisher,
-        send_gaussians,
-    )
+    what = "the train message"
+    upload = unpack_upload_request(content.config_records.get(CONFIG_KEY), what=what)
+    return TrainRequest(initial_state, upload, unpack_contract(content, what=what))
+
+
+def pack_upload_request(config: ConfigRecord, request: UploadRequest) -> None:
+    """Write ``request`` into a message's ``config``: all of :data:`UPLOAD_REQUEST_KEYS`."""
+    config[SEND_GRAMS_KEY] = request.grams
+    config[SEND_FISHER_KEY] = ",".join(request.fisher)
+    config[SEND_GAUSSIANS_KEY] = request.gaussian_rank
+    config[STATISTICS_ROUNDS_KEY] = request.rounds
+
+
+def unpack_upload_request(config: ConfigRecord | None, *, what: str) -> UploadRequest:
+    """The :class:`~fedfuse.federation.upload_request.UploadRequest` in a message's ``config``
+    (``what`` names the message); a missing key or a malformed value is a ValueError naming
+    it."""
+    config = config if config is not None else ConfigRecord()
+    missing = [key for key in UPLOAD_REQUEST_KEYS if key not in config]
+    if missing:
+        raise ValueError(
+            f"{what} lacks {', '.join(map(repr, missing))}: the server says what the site sends "
+            "besides its weights (is the server an older fedfuse than the site?)"
+        )
+    grams = config[SEND_GRAMS_KEY]
+    if not isinstance(grams, bool):
+        raise ValueError(f"{what}: {SEND_GRAMS_KEY}={grams!r} must be true or false")
+    fisher = tuple(kind for kind in str(config[SEND_FISHER_KEY]).split(",") if kind)
+    unknown = sorted(set(fisher) - set(FISHER_KINDS))
+    if unknown:
+        raise ValueError(f"{what} asks for unknown Fisher kinds {unknown} ({SEND_FISHER_KEY})")
+    rank = config[SEND_GAUSSIANS_KEY]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(
+            f"{what} asks for class Gaussians of rank {rank!r}, not a whole number >= 0 "
+            f"({SEND_GAUSSIANS_KEY})"
+        )
+    rounds = str(config[STATISTICS_ROUNDS_KEY])
+    if rounds not in ROUND_KINDS:
+        raise ValueError(f"{what}: {STATISTICS_ROUNDS_KEY}={rounds!r} must be one of {ROUND_KINDS}")
+    return UploadRequest(grams=grams, fisher=fisher, gaussian_rank=rank, rounds=rounds)
 
 
 def unpack_contract(content: RecordDict, *, what: str) -> DataContract | None:
@@ -145,10 +159,21 @@ def unpack_contract(content: RecordDict, *, what: str) -> DataContract | None:
     return DataContract.from_dict(document, source=what)
 
 
-def pack_contract_query(contract: DataContract) -> RecordDict:
+def pack_contract_query(contract: DataContract, request: UploadRequest) -> RecordDict:
     """The check before training: the run's data contract, for every site to compare its data
-    with (the reply is :func:`pack_site_ready` or a refusal, :func:`pack_no_upload`)."""
-    return RecordDict({CONFIG_KEY: ConfigRecord({CONTRACT_KEY: json.dumps(contract.to_dict())})})
+    with, and what the train message will ask it to send, for its policy to judge (the reply is
+    :func:`pack_site_ready` or a refusal, :func:`pack_no_upload`)."""
+    config = ConfigRecord({CONTRACT_KEY: json.dumps(contract.to_dict())})
+    pack_upload_request(config, request)
+    return RecordDict({CONFIG_KEY: config})
+
+
+def unpack_contract_query(content: RecordDict) -> tuple[DataContract | None, UploadRequest]:
+    """The data contract and the upload request in a check before training (ValueError names
+    what is missing or malformed)."""
+    what = "the server's check"
+    request = unpack_upload_request(content.config_records.get(CONFIG_KEY), what=what)
+    return unpack_contract(content, what=what), request
 
 
 def pack_site_ready(*, site_name: str, partition_id: int) -> RecordDict:

@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 
 from fedfuse.clients.records import CONTRACT_MESSAGE, pack_contract_query
 from fedfuse.federation.contract import DataContract
+from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.fusion import FusionMethod
 from fedfuse.models import ModelSpec
 
@@ -68,6 +69,7 @@ def check_site_data(
     grid: Grid,
     nodes: Sequence[int],
     contract: DataContract,
+    request: UploadRequest,
     timeout: float,
     *,
     roster: SiteRoster,
@@ -78,7 +80,7 @@ def check_site_data(
     """The nodes that may train: those that did not refuse (or fail) the :func:`contract_round`;
     each one left out is added to ``roster`` and ``problems``. Raises :class:`FusionAborted`
     when fewer than ``min_nodes`` are left, before any site trains."""
-    answers = contract_round(grid, nodes, contract, timeout, max_in_flight=max_in_flight)
+    answers = contract_round(grid, nodes, contract, request, timeout, max_in_flight=max_in_flight)
     for node, answer in answers.items():
         problems.append(str(answer))
         roster.drop(answer.kind, str(answer), node=node, name=answer.site)
@@ -95,14 +97,16 @@ def contract_round(
     grid: Grid,
     nodes: Sequence[int],
     contract: DataContract,
+    request: UploadRequest,
     timeout: float,
     *,
     max_in_flight: int = 0,
 ) -> dict[int, SiteDidNotUpload]:
-    """Ask every node whether its data complies with ``contract``; the nodes that cannot take
-    part, with why. A node that does not answer, or whose app has no contract handler (a
-    ClientApp of its own), is not refused here: the train message carries the contract too."""
-    content = pack_contract_query(contract)
+    """Ask every node whether its data complies with ``contract`` and its policy allows what
+    ``request`` will ask it to send; the nodes that cannot take part, with why. A node that
+    does not answer, or whose app has no contract handler (a ClientApp of its own), is not
+    refused here: the train message carries the contract and the request too."""
+    content = pack_contract_query(contract, request)
     messages = [
         Message(content=content, message_type=CONTRACT_MESSAGE, dst_node_id=node) for node in nodes
     ]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from fedfuse.federation.method_needs import upload_request_for
+from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.fusion.blocks.alignment import permute_level
 from fedfuse.models import LeveledModel
 from fedfuse.settings.run import RunSettings
@@ -31,6 +33,14 @@ def digits_settings(**changes) -> RunSettings:
 def quick_site_settings(**changes) -> RunSettings:
     """The small digits run with quick sites (:data:`QUICK_SITE`), ``changes`` on top."""
     return digits_settings(**{**QUICK_SITE, **changes})
+
+
+def run_upload_request(settings: RunSettings) -> UploadRequest:
+    """What the ServerApp's train message asks of every site in ``settings``' run (the server's
+    derivation from its methods), for tests that call a site directly."""
+    return upload_request_for(
+        settings.fusion_methods(), settings.fusion_gaussians(), secure=settings.secure_aggregation
+    )
 
 
 def randn(seed: int, *shape: int) -> torch.Tensor:

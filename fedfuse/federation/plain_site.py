@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from fedfuse.data.tensors import SampleSource, collect_samples
+from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FusionMethod
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, fisher_kinds, site_fisher
+from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
@@ -44,16 +45,19 @@ EXTRAS = tuple(EXTRA_FIELDS)
 
 
 def extras_for(methods: Iterable[FusionMethod]) -> list[str]:
-    """The extras a plain ClientApp must send for ``methods`` (what they read; Fisher only of
-    the kinds they read)."""
+    """The extras a plain ClientApp must send for ``methods``: the scores and class counts they
+    read, and the Grams and Fisher kinds of their
+    :func:`~fedfuse.federation.method_needs.upload_request_for`."""
     methods = list(methods)
     needed = set().union(*(method.needs() for method in methods))
-    fisher = {f"fisher-{kind}" for kind in fisher_kinds(methods)}
-    return [
-        name
-        for name, field in EXTRA_FIELDS.items()
-        if field in needed and (field != "fisher" or name in fisher)
-    ]
+    request = upload_request_for(methods)
+    asked = {
+        "scores": "scores" in needed,
+        "class-counts": "class_counts" in needed,
+        "grams": request.grams,
+        **{f"fisher-{kind}": kind in request.fisher for kind in FISHER_KINDS},
+    }
+    return [name for name in EXTRAS if asked[name]]
 
 
 @dataclass

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedfuse.federation.contract import SiteRefusal
+from fedfuse.federation.upload_request import UploadRequest
 
 #: the statistics a site can send: Gram matrices with its upload (RegMean), the answers to
 #: statistics rounds (``kf-sites``, ``hf-sites``), its share of sums over sites that only
@@ -147,6 +148,11 @@ class SitePolicy:
                 f"samples, fewer than min-statistic-rows={self.min_statistic_rows}"
             )
 
+    def check_request(self, methods: Iterable[str], request: UploadRequest, samples: int) -> None:
+        """Refuse, before the site trains, a run of ``methods`` whose ``request`` (what the
+        server's message asks the site to send) the policy does not allow (:meth:`check_run`)."""
+        self.check_run(methods, request.statistics(), samples)
+
     def check_statistic(self, what: str, samples: int, rows: int, columns: int) -> None:
         """Refuse to send a statistic (``what``, e.g. "the Gram of level 2") that sums over
         fewer than ``min_statistic_rows`` samples, or, when the policy says so, whose design has
@@ -175,21 +181,6 @@ class SitePolicy:
                 f"site policy: max-statistics-rounds={self.max_statistics_rounds} answered "
                 "already in this run"
             )
-
-
-def requested_statistics(methods: Iterable[Any], *, secure: bool = False) -> set[str]:
-    """Which :data:`STATISTICS_KINDS` the run's fusion ``methods`` ask the sites for; with
-    ``secure`` aggregation, whatever they ask of the sites comes as secure sums."""
-    kinds: set[str] = set()
-    for method in methods:
-        needs = method.needs()
-        if "grams" in needs:
-            kinds.add("grams")
-        if "fisher" in needs:
-            kinds.add("fisher")
-        if "sites" in needs:
-            kinds.add("secure-sums" if secure else "rounds")
-    return kinds
 
 
 def _names(value: Any) -> frozenset[str] | None:

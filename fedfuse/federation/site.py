@@ -6,8 +6,12 @@ fused model on its data).
 :func:`answer_statistics_request` and :func:`finetune_site`; ``fedfuse compare``'s library
 runner, tests and benchmarks call them directly.
 
-A site may keep its trained model between runs in a cache that the caller passes (any
-:class:`TrainedSiteCache`: the experiments' site-set cache,
+What a site sends besides its weights and scores is what the server's message asks, an
+:class:`~fedfuse.federation.upload_request.UploadRequest`: the site computes exactly that and
+never rebuilds the server's methods to learn it.
+
+A site may keep its trained model between runs in a cache that the caller passes in its
+:class:`SiteSetup` (any :class:`TrainedSiteCache`: the experiments' site-set cache,
 :meth:`fedfuse.federation.site_cache.SiteCache.site`); the site's own path knows nothing of
 where or how it is kept.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -26,11 +30,12 @@ import torch
 
 from fedfuse.data import ImageDataset, load_npz_dataset
 from fedfuse.federation.contract import DataContract
-from fedfuse.federation.policy import SitePolicy, requested_statistics
+from fedfuse.federation.policy import SitePolicy
 from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
-from fedfuse.federation.uploads import ClientUpload, needs_grams
-from fedfuse.fusion.methods.averaging.fisher import fisher_kinds, site_fisher
+from fedfuse.federation.upload_request import UploadRequest
+from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.methods.averaging.fisher import site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.class_gaussians import fit_class_gaussians
 from fedfuse.fusion.statistics.on_site import site_statistics
@@ -89,88 +94,90 @@ class TrainedSiteCache(Protocol):
         """Keep ``site`` (replacing what was kept)."""
 
 
+@dataclass(frozen=True)
+class SiteIdentity:
+    """Who a site is: its id (its partition in a simulation; any distinct id otherwise), the
+    sites in the simulated split (0 in a deployment), its name and its own ``.npz`` data file
+    (a deployment; None: its simulated partition)."""
+
+    partition_id: int
+    num_partitions: int = 0
+    name: str = ""
+    data_path: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The site's name in its logs and refusals (``client <id>`` when it has none)."""
+        return self.name or f"client {self.partition_id}"
+
+    @property
+    def data_source(self) -> str:
+        """Where the site's data comes from, as a contract refusal names it."""
+        return f"{self.label}'s data" + (f" ({self.data_path})" if self.data_path else "")
+
+
+@dataclass(frozen=True)
+class SiteSetup:
+    """How a site goes about its round, besides what the server asks: the run's data
+    ``contract`` its data is checked against before anything is trained, its own ``policy`` on
+    what it sends, and the ``cache`` that keeps its trained model between runs (None: no
+    check, everything asked is allowed, nothing is kept)."""
+
+    contract: DataContract | None = None
+    policy: SitePolicy | None = None
+    cache: TrainedSiteCache | None = None
+
+
 @_on_site_threads
 def train_site(
     settings: RunSettings,
-    partition_id: int,
-    num_partitions: int,
+    site: SiteIdentity,
+    request: UploadRequest,
     initial_state: dict[str, torch.Tensor] | None = None,
-    *,
-    data_path: str | None = None,
-    send_grams: bool | None = None,
-    send_fisher: Sequence[str] | None = None,
-    send_gaussians: int | None = None,
-    cache: TrainedSiteCache | None = None,
-    contract: DataContract | None = None,
-    site_name: str = "",
-    policy: SitePolicy | None = None,
+    setup: SiteSetup | None = None,
 ) -> ClientUpload:
-    """Train the site's model and score its neurons on the site's own data.
+    """Train the site's model, score its neurons on the site's own data, and compute exactly
+    what the server's ``request`` asks besides (Grams, Fisher kinds, class Gaussians).
 
     Args:
-        settings: the run's settings (the Flower run config).
-        partition_id: the site's id (its partition in a simulation; any distinct id otherwise).
-        num_partitions: sites in the simulated split (0 in a deployment).
+        settings: the run's settings (the Flower run config): data, model, training, scores.
+        site: who the site is and where its data lies.
+        request: what the server's message asks the site to send besides its weights and
+            scores; the site's policy judges it before anything is trained.
         initial_state: the server's initial weights (required when ``settings.init == "shared"``).
-        data_path: the site's own ``.npz`` data file (a deployment); else its simulated partition.
-        send_grams: upload the level Gram matrices (the server's train message says whether a
-            method of the run reads them); None: whether one of the run's methods
-            (:meth:`~fedfuse.settings.run.RunSettings.fusion_methods`) reads them.
-        send_fisher: the Fisher kinds to upload (``"diagonal"``, ``"kfac"``: what the run's
-            methods read, as the train message says); None: as the run's methods read.
-        send_gaussians: upload the site's class Gaussians of this rank (0: none; the train
-            message says); None: as the run's ``fusion-gaussian-samples`` / ``-rank`` say.
-        cache: where the trained site is kept between runs (None: it is not kept); a kept
-            model and its scores and Grams are reused instead of computed again.
-        contract: the run's data contract: the site's data is checked against it before
-            anything is trained (None: no check).
-        site_name: the site's name, for its logs and its upload ("": ``client <id>``).
-        policy: what the site agrees to send (its node config; None: everything asked).
+        setup: the contract, policy and cache of the site's round (None: none of them); a
+            kept model and its scores and Grams are reused instead of computed again.
 
     Raises:
-        SiteRefusal: the site's data breaks ``contract``, or the run asks for more than
-            ``policy`` allows (nothing was trained), or a Gram breaks ``policy``.
+        SiteRefusal: the site's data breaks the contract, or the request asks for more than the
+            policy allows (nothing was trained), or a Gram breaks the policy.
     """
-    seed = client_seed(settings, partition_id)
+    setup = setup or SiteSetup()
+    seed = client_seed(settings, site.partition_id)
     seed_everything(seed)
     clock = _PhaseClock()
-    name = site_name or f"client {partition_id}"
-    if send_grams is None:
-        send_grams = needs_grams(settings.fusion_methods())
-    if send_fisher is None:
-        send_fisher = fisher_kinds(settings.fusion_methods())
-    if send_gaussians is None:
-        send_gaussians = settings.gaussian_rank(settings.fusion_methods())
-    send_gaussians = max(int(send_gaussians), 0)
+    cache, policy = setup.cache, setup.policy
     cached = cache.load() if cache is not None else None
     data: ImageDataset | None = None
 
     def site_data() -> ImageDataset:
         nonlocal data
         if data is None:
-            data = load_site_data(settings, partition_id, num_partitions, data_path)
+            data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
             clock.lap("load")
         return data
 
-    if contract is not None and (data_path or cached is None):
-        where = f" ({data_path})" if data_path else ""
-        contract.check(site_data(), source=f"{name}'s data{where}")
+    if setup.contract is not None and (site.data_path or cached is None):
+        setup.contract.check(site_data(), source=site.data_source)
     if policy is not None:
-        check_site_policy(
-            settings,
-            policy,
-            len(site_data()),
-            send_grams=send_grams,
-            send_fisher=send_fisher,
-            send_gaussians=bool(send_gaussians),
-        )
-        if send_gaussians:  # each class's mean must sum over enough of the site's samples
+        policy.check_request(settings.method_names(), request, len(site_data()))
+        if request.gaussian_rank:  # each class's mean must sum over enough of the site's samples
             check_class_rows(policy, site_data())
     if cached is not None:
-        log.info("%s: trained model loaded from %s", name, cache)
+        log.info("%s: trained model loaded from %s", site.label, cache)
         model, facts = cached.model, cached.facts
     else:
-        model, facts = _train(settings, site_data(), seed, initial_state, name, clock)
+        model, facts = _train(settings, site_data(), seed, initial_state, site.label, clock)
     scores = cached.scores.get(settings.score_method) if cached else None
     if scores is None:
         scores = score_site(
@@ -183,8 +190,8 @@ def train_site(
             device=settings.device,
         )
         clock.lap("score")
-    grams = None  # sent only when a method of the run reads them (they are large)
-    if send_grams:
+    grams = None  # sent only when asked (they are large)
+    if request.grams:
         grams = cached.grams if cached else None
         if grams is None:
             grams = level_grams(model, site_data().inputs(), factor=True)
@@ -195,18 +202,18 @@ def train_site(
                 policy.check_statistic(
                     f"the Gram of level {level}", int(facts["num_examples"]), rows, gram.shape[1]
                 )
-    fisher = None  # sent only when a method of the run reads it (the size of the model, or more)
-    if send_fisher:
+    fisher = None  # sent only when asked (the size of the model, or more)
+    if request.fisher:
         fisher = site_fisher(
-            model, site_data().inputs(), send_fisher, seed=seed, device=settings.device
+            model, site_data().inputs(), request.fisher, seed=seed, device=settings.device
         )
         model.cpu()
         clock.lap("fisher")
-    gaussians = None  # sent only when the run completes its fusion set from them
-    if send_gaussians:
+    gaussians = None  # sent only when asked (the server completes its fusion set from them)
+    if request.gaussian_rank:
         labels = torch.as_tensor(site_data().labels).long()
         gaussians = fit_class_gaussians(
-            site_data().inputs(), labels, site_data().num_classes, rank=send_gaussians
+            site_data().inputs(), labels, site_data().num_classes, rank=request.gaussian_rank
         )
         clock.lap("class_gaussians")
     if cache is not None and (cached is None or data is not None):
@@ -221,8 +228,8 @@ def train_site(
         class_counts=[int(c) for c in facts["class_counts"]]
         if policy is None or policy.send_class_counts
         else None,
-        partition_id=partition_id,
-        num_partitions=num_partitions,
+        partition_id=site.partition_id,
+        num_partitions=site.num_partitions,
         score_method=settings.score_method,
         init=settings.init,
         train_loss=float(facts["train_loss"]),
@@ -230,7 +237,7 @@ def train_site(
         fisher=fisher,
         class_gaussians=gaussians,
         seconds={**facts.get("seconds", {}), **clock.laps} if cached else clock.laps,
-        site_name=site_name,
+        site_name=site.name,
         ray_node=site_ray_node(),
     )
 
@@ -259,32 +266,6 @@ def scores_sample(dataset: ImageDataset, n: int, seed: int) -> tuple[torch.Tenso
     return dataset.inputs(index), dataset.labels[index]
 
 
-def check_site_policy(
-    settings: RunSettings,
-    policy: SitePolicy,
-    samples: int,
-    *,
-    send_grams: bool | None = None,
-    send_fisher: Sequence[str] | None = None,
-    send_gaussians: bool | None = None,
-) -> None:
-    """Refuse (:class:`~fedfuse.federation.contract.SiteRefusal`) a run whose methods or
-    statistics the site's ``policy`` does not allow, before anything is trained. ``send_grams``,
-    ``send_fisher`` and ``send_gaussians`` are what the server's train message asks (None: what
-    the run's methods and settings read)."""
-    methods = settings.fusion_methods()
-    statistics = requested_statistics(methods, secure=settings.secure_aggregation)
-    if send_grams is not None:
-        statistics = (statistics - {"grams"}) | ({"grams"} if send_grams else set())
-    if send_fisher is not None:
-        statistics = (statistics - {"fisher"}) | ({"fisher"} if send_fisher else set())
-    if send_gaussians is None:
-        send_gaussians = bool(settings.gaussian_rank(methods))
-    if send_gaussians:
-        statistics.add("class-gaussians")
-    policy.check_run(settings.method_names(), statistics, samples)
-
-
 def check_class_rows(policy: SitePolicy, data: ImageDataset) -> None:
     """Refuse, before training, to send class Gaussians when a class the site holds has fewer
     samples than ``policy``'s ``min-statistic-rows`` (its mean would say too much of each)."""
@@ -295,19 +276,12 @@ def check_class_rows(policy: SitePolicy, data: ImageDataset) -> None:
 
 
 def check_site_data(
-    settings: RunSettings,
-    contract: DataContract,
-    partition_id: int,
-    num_partitions: int,
-    *,
-    data_path: str | None = None,
-    site_name: str = "",
+    settings: RunSettings, contract: DataContract, site: SiteIdentity
 ) -> ImageDataset:
     """The site's data, checked against the run's ``contract`` (the check before training);
     raises :class:`~fedfuse.federation.contract.SiteRefusal` naming every mismatch."""
-    data = load_site_data(settings, partition_id, num_partitions, data_path)
-    where = f" ({data_path})" if data_path else ""
-    contract.check(data, source=f"{site_name or f'client {partition_id}'}'s data{where}")
+    data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
+    contract.check(data, source=site.data_source)
     return data
 
 

@@ -17,7 +17,7 @@ configs read it (``${fedfuse.default:fusion_samples}``, a resolver of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.fusion.options import parse_options
 from fedfuse.fusion.registry import make_fusion_methods, parse_method_names
-from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
+from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
 from fedfuse.models import ModelSpec, build_model, make_spec
 from fedfuse.runtime import check_device
 from fedfuse.settings.bounds import (
@@ -276,12 +276,6 @@ class RunSettings:
         return GaussianFusionSet(
             self.fusion_gaussian_samples, rank=self.fusion_gaussian_rank, seed=self.seed + 3
         )
-
-    def gaussian_rank(self, methods: Iterable[FusionMethod]) -> int:
-        """The rank of the class Gaussians the sites upload: ``fusion_gaussian_rank`` when the
-        run completes its fusion set from them and one of ``methods`` reads a fusion set; 0
-        (nothing sent) otherwise."""
-        return upload_rank(self.fusion_gaussians(), methods)
 
     def gaussian_label(self) -> str:
         """``+gauss(xN)`` (with ``rank=R`` where it differs from the default) for a result row

@@ -101,9 +101,11 @@ def test_a_train_message_asking_for_a_malformed_rank_is_refused():
     from flwr.app import ConfigRecord
 
     from fedfuse.clients.records import pack_train_request, unpack_train_request
+    from fedfuse.federation.upload_request import UploadRequest
 
-    content = pack_train_request(ArrayRecord(), ConfigRecord(), send_grams=False, send_gaussians=3)
-    assert unpack_train_request(content).send_gaussians == 3
+    request = UploadRequest(gaussian_rank=3)
+    content = pack_train_request(ArrayRecord(), ConfigRecord(), request=request)
+    assert unpack_train_request(content).upload.gaussian_rank == 3
     content.config_records["config"][SEND_GAUSSIANS_KEY] = -1
     with pytest.raises(ValueError, match="class Gaussians of rank -1"):
         unpack_train_request(content)

@@ -8,8 +8,8 @@ from flwr.app import Context, RecordDict
 from fedfuse.clients.client_app import site_identity
 from fedfuse.data import DataFormatError, load_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.federation.scenario import Scenario
-from fedfuse.federation.site import train_site
-from tests.helpers import digits_settings
+from fedfuse.federation.site import SiteIdentity, train_site
+from tests.helpers import digits_settings, run_upload_request
 
 
 def test_round_trip_keeps_images_labels_and_statistics(tmp_path):
@@ -90,7 +90,8 @@ def test_a_deployed_site_trains_on_its_own_file(tmp_path):
     settings = digits_settings(local_epochs=1, score_samples=16, score_steps=2)
     own = Scenario(settings, 2).client_data(1)
     path = save_npz_dataset(tmp_path / "site1.npz", own)
-    upload = train_site(settings, 1, 0, data_path=str(path))
+    site = SiteIdentity(1, 0, data_path=str(path))
+    upload = train_site(settings, site, run_upload_request(settings))
     assert upload.num_examples == len(own) and upload.num_partitions == 0
     assert upload.class_counts == torch.bincount(own.labels, minlength=10).tolist()
     assert upload.model.spec == settings.model_spec_for(own)

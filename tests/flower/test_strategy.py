@@ -8,7 +8,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 
 from fedfuse.clients.records import SCORES_KEY, WEIGHTS_KEY, pack_upload
-from fedfuse.federation.site import train_site
+from fedfuse.federation.site import SiteIdentity, train_site
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import make_fusion_method
 from fedfuse.io.validation import ContributionError
@@ -16,14 +16,15 @@ from fedfuse.strategies.messaging import stream_replies, wait_for_nodes
 from fedfuse.strategies.one_shot import FusionAborted, OneShotFusion
 from fedfuse.strategies.replies import decode_reply
 from tests.fakes import NodesGrid, reply_from
-from tests.helpers import quick_site_settings
+from tests.helpers import quick_site_settings, run_upload_request
 
 SETTINGS = quick_site_settings()
 
 
 @pytest.fixture(scope="module")
 def uploads():
-    return [train_site(SETTINGS, pid, 2) for pid in range(2)]
+    request = run_upload_request(SETTINGS)
+    return [train_site(SETTINGS, SiteIdentity(pid, 2), request) for pid in range(2)]
 
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -190,7 +191,8 @@ def test_the_strategy_completes_its_fusion_set_by_inversion(tmp_path):
     from fedfuse.fusion.inversion import InvertedFusionSet
 
     settings = quick_site_settings(model="resnet", model_options="width_multiplier=0.0625")
-    resnets = [train_site(settings, pid, 2) for pid in range(2)]
+    request = run_upload_request(settings)
+    resnets = [train_site(settings, SiteIdentity(pid, 2), request) for pid in range(2)]
     real = torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])
     inversion = InvertedFusionSet(samples=3, steps=2, device="cpu")
     method, seen = make_fusion_method("kf-linear"), []

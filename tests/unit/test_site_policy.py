@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from fedfuse.federation.contract import SiteRefusal
-from fedfuse.federation.policy import SitePolicy, requested_statistics
-from fedfuse.federation.site import train_site
+from fedfuse.federation.method_needs import upload_request_for
+from fedfuse.federation.policy import SitePolicy
+from fedfuse.federation.site import SiteIdentity, SiteSetup, train_site
+from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.fusion import make_fusion_methods
 from fedfuse.io.grams import is_gram_factor
-from tests.helpers import quick_site_settings
+from tests.helpers import quick_site_settings, run_upload_request
 
 
 def test_a_node_config_without_policy_keys_allows_everything():
@@ -81,24 +83,41 @@ def test_statistics_and_rounds_outside_the_policy_are_refused():
         SitePolicy(statistics=frozenset({"grams"})).check_round("rounds", answered=0)
 
 
+def _asked(methods: str, *, secure: bool = False) -> frozenset[str]:
+    return upload_request_for(make_fusion_methods(methods), secure=secure).statistics()
+
+
 def test_the_statistics_a_run_asks_follow_its_methods():
-    assert requested_statistics(make_fusion_methods("fedavg,kf-linear")) == set()
-    assert requested_statistics(make_fusion_methods("regmean")) == {"grams"}
-    assert requested_statistics(make_fusion_methods("kf-sites,regmean")) == {"grams", "rounds"}
+    assert _asked("fedavg,kf-linear") == set()
+    assert _asked("regmean") == {"grams"}
+    assert _asked("kf-sites,regmean") == {"grams", "rounds"}
+    assert _asked("kf-sites", secure=True) == {"secure-sums"}
+
+
+def test_the_policy_judges_the_request_it_is_sent():
+    no_grams = SitePolicy(statistics=frozenset({"rounds"}))
+    no_grams.check_request(["regmean"], UploadRequest(rounds="rounds"), samples=100)
+    with pytest.raises(SiteRefusal, match=r"need \['grams'\], not in allow-statistics=rounds"):
+        no_grams.check_request(["regmean"], UploadRequest(grams=True), samples=100)
+    with pytest.raises(SiteRefusal, match=r"need \['class-gaussians', 'fisher'\]"):
+        no_grams.check_request(["fedavg"], UploadRequest(fisher=("kfac",), gaussian_rank=2), 100)
 
 
 def test_a_site_refuses_before_training_and_keeps_its_counts_and_small_grams():
     """train_site with a real site: a barred method stops it before training; a small site's
     Gram (a factor: fewer rows than columns) is refused; class counts stay home."""
     settings = quick_site_settings(methods="regmean,fedavg")
+    request = run_upload_request(settings)
+    only_fedavg = SiteSetup(policy=SitePolicy(methods=frozenset({"fedavg"})))
     with pytest.raises(SiteRefusal, match="allow-methods=fedavg"):
-        train_site(settings, 0, 2, policy=SitePolicy(methods=frozenset({"fedavg"})))
-    private = SitePolicy(send_class_counts=False)
-    upload = train_site(settings, 0, 2, policy=private)
+        train_site(settings, SiteIdentity(0, 2), request, setup=only_fedavg)
+    private = SiteSetup(policy=SitePolicy(send_class_counts=False))
+    upload = train_site(settings, SiteIdentity(0, 2), request, setup=private)
     assert upload.class_counts is None and upload.grams is not None
     assert not any(is_gram_factor(g) for g in upload.grams.values())  # enough rows here
     tiny = quick_site_settings(methods="regmean", partitioner="iid")  # 40 sites of 30-40 rows
-    upload = train_site(tiny, 0, 40)
+    upload = train_site(tiny, SiteIdentity(0, 40), run_upload_request(tiny))
     assert any(is_gram_factor(g) for g in upload.grams.values())
+    refuse_factors = SiteSetup(policy=SitePolicy(refuse_grams_below_fan_in=True))
     with pytest.raises(SiteRefusal, match=r"Gram of level 0 has \d\d rows, fewer than its 65 col"):
-        train_site(tiny, 0, 40, policy=SitePolicy(refuse_grams_below_fan_in=True))
+        train_site(tiny, SiteIdentity(0, 40), run_upload_request(tiny), setup=refuse_factors)
