@@ -20,7 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.upload_request import ROUND_KINDS, UploadRequest
 from fedfuse.federation.uploads import ClientUpload
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS
+from fedfuse.fusion.statistics.fisher import FISHER_KINDS
 from fedfuse.fusion.statistics.privacy import GaussianStatistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.io.validation import model_from_state
@@ -40,7 +40,7 @@ SECONDS_PREFIX = "seconds-"
 #: matrices (:attr:`fedfuse.federation.upload_request.UploadRequest.grams`)
 SEND_GRAMS_KEY = "send-grams"
 #: train-message (and contract-query) config key: the Fisher kinds the site uploads (a comma list
-#: of :data:`fedfuse.fusion.methods.averaging.fisher.FISHER_KINDS`, "" for none)
+#: of :data:`fedfuse.fusion.statistics.fisher.FISHER_KINDS`, "" for none)
 SEND_FISHER_KEY = "send-fisher"
 #: train-message (and contract-query) config key: the rank of the class Gaussians the site
 #: uploads (0: none; the run completes its fusion set from them)

@@ -30,8 +30,8 @@ from fedfuse.clients.records import (
     unpack_tensors,
 )
 from fedfuse.federation.uploads import ClientUpload
-from fedfuse.fusion.methods.averaging.fisher import check_fisher
 from fedfuse.fusion.statistics.class_gaussians import ClassGaussians
+from fedfuse.fusion.statistics.fisher import check_fisher
 from fedfuse.io.checkpoint import scores_from_tensors
 from fedfuse.io.validation import (
     ContributionError,

@@ -32,10 +32,10 @@ import torch
 
 from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
 from fedfuse.fusion.base import FusionMethod
-from fedfuse.fusion.methods.averaging.fisher import site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.registry import FUSION_METHODS, parse_method_names, split_method_options
 from fedfuse.fusion.statistics.channels import LocalSites
+from fedfuse.fusion.statistics.fisher import site_fisher
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
 from fedfuse.runtime import PeakMemory, resolve_device
 from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES

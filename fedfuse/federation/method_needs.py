@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.federation.uploads import needs_grams
 from fedfuse.fusion.base import FusionMethod
-from fedfuse.fusion.methods.averaging.fisher import fisher_kinds
 from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, upload_rank
+from fedfuse.fusion.statistics.fisher import fisher_kinds
 
 
 def upload_request_for(

@@ -25,8 +25,8 @@ from torch import nn
 from fedfuse.data.tensors import SampleSource, collect_samples
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FusionMethod
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
 from fedfuse.models import ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
 

@@ -35,9 +35,9 @@ from fedfuse.federation.ray_cluster import site_ray_node
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.federation.uploads import ClientUpload
-from fedfuse.fusion.methods.averaging.fisher import site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.class_gaussians import fit_class_gaussians
+from fedfuse.fusion.statistics.fisher import site_fisher
 from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.fusion.statistics.summed_terms import SummedRequest, site_sources, terms_from_sources

@@ -51,7 +51,7 @@ class FusionInputs:
             (``r x d``, ``r < d``, ``R^T R = X^T X``: :mod:`fedfuse.io.grams`).
         fisher: per model, its Fisher information on the site's own data, by entry:
             ``diagonal.<parameter>`` and/or the K-FAC factors ``kfac.<layer>.inputs``,
-            ``kfac.<layer>.outputs`` (:func:`fedfuse.fusion.methods.averaging.fisher.site_fisher`).
+            ``kfac.<layer>.outputs`` (:func:`fedfuse.fusion.statistics.fisher.site_fisher`).
         sites: a :class:`~fedfuse.fusion.statistics.channels.SiteChannel` reaching the site of each
             model for statistics rounds (the Flower strategy's, or ``LocalSites`` in-process).
     """

@@ -2,7 +2,7 @@
 
 The file holds the model's tensors under ``model.<name>``, importance scores under
 ``scores.<level>``, optionally a site's level Gram matrices under ``grams.<level>`` and its
-Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.methods.averaging.fisher`), its
+Fisher information under ``fisher.<entry>`` (:mod:`fedfuse.fusion.statistics.fisher`), its
 class Gaussians under ``gaussians.<key>`` (:mod:`fedfuse.fusion.statistics.class_gaussians`), and in
 the safetensors header a JSON document with the architecture spec and whatever else the writer
 attaches (class counts, sample counts, provenance). Nothing is unpickled; loading checks every

@@ -30,8 +30,8 @@ import torch
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
 from fedfuse.models import LeveledModel, build_model, make_spec
 from fedfuse.training.loop import TrainConfig, train
 

@@ -115,7 +115,7 @@ def test_failed_save_keeps_the_existing_checkpoint(tmp_path, model):
 
 
 def test_fisher_information_round_trips_only_when_asked_for_and_must_be_finite(tmp_path, model):
-    from fedfuse.fusion.methods.averaging.fisher import site_fisher
+    from fedfuse.fusion.statistics.fisher import site_fisher
 
     fisher = site_fisher(model, torch.randn(16, *model.spec.input_shape), ["diagonal", "kfac"])
     path = save_checkpoint(tmp_path / "site.safetensors", model, fisher=fisher)

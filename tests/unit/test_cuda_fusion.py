@@ -14,9 +14,9 @@ import torch
 
 from fedfuse.experiments import speed
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.channels import LocalSites
+from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
 from fedfuse.models import build_model, make_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

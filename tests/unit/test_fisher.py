@@ -10,13 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
-from fedfuse.fusion.methods.averaging.fisher import (
-    check_fisher,
-    fisher_kinds,
-    kfac_layers,
-    site_fisher,
-    solve_kfac_layer,
-)
+from fedfuse.fusion.methods.averaging.fisher import solve_kfac_layer
+from fedfuse.fusion.statistics.fisher import check_fisher, fisher_kinds, kfac_layers, site_fisher
 from fedfuse.models import build_model, make_spec, mlp_spec
 
 pytestmark = pytest.mark.usefixtures("one_thread")

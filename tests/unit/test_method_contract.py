@@ -21,8 +21,8 @@ import torch
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
-from fedfuse.fusion.methods.averaging.fisher import FISHER_KINDS, site_fisher
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
 from fedfuse.models import build_model, mlp_spec
 from tests.helpers import randn
 

@@ -10,6 +10,7 @@
   fixed-point units for secure aggregation;
 * :mod:`.privacy`: per-sample clipping and Gaussian noise on what a site sends;
 * :mod:`.grams`: the Gram matrices of each level's inputs (RegMean and kin, one upload);
+* :mod:`.fisher`: the diagonal Fisher or K-FAC factors (Fisher merging, FedFisher, one upload);
 * :mod:`.class_gaussians`: each class's mean and PPCA covariance, which complete a skewed
   fusion set.
 """

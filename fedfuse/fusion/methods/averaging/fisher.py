@@ -1,17 +1,9 @@
 r"""Fisher merging (Matena & Raffel, NeurIPS 2022) and FedFisher (Jhunjhunwala et al.,
 AISTATS 2024): one-shot merges weighted by each site's Fisher information.
 
-**What a site computes and uploads once** (:func:`site_fisher`; the sites' own data, labels
-drawn from the site model's own predictions, so the true Fisher, one Monte Carlo label per
-sample, and no label of the site's data is used):
-
-* the *diagonal* Fisher, per parameter ``F = E_x E_{y ~ p(y|x)} [(d log p(y|x) / d theta)^2]``
-  (the shape of the weights: an upload the size of the model again);
-* the *K-FAC* factors (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016) of
-  every ``Linear`` and ``Conv2d``: with ``a`` a layer's input row (a patch of a convolution,
-  with a trailing 1 when it has a bias) and ``g`` the gradient of ``log p(y|x)`` at its output
-  (per position), ``A = E[a a^T]`` (positions averaged) and ``G = E[sum_positions g g^T]``, so
-  that the layer's Fisher block is ``A (x) G``: an upload of ``fan_in^2 + fan_out^2`` per layer.
+What a site computes and uploads once, its diagonal Fisher or its K-FAC factors ``A`` and ``G``
+per ``Linear``/``Conv2d``, is in :mod:`fedfuse.fusion.statistics.fisher`; this module is the
+server side.
 
 **What the server solves.** With ``p_k`` the site weights (uniform, or by sample counts), the
 merged parameters minimise the Laplace-approximated sum of the sites' log-posteriors,
@@ -47,237 +39,33 @@ labelled fusion set, and :data:`UNLABELLED_DAMPING` without one.
 from __future__ import annotations
 
 import copy
-import logging
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
-from fedfuse.fusion.inputs import averaging_weights, fusion_set_loss
+from fedfuse.fusion.blocks.selection import fuse_with_option
+from fedfuse.fusion.inputs import averaging_weights
 from fedfuse.fusion.registry import register_fusion_method
+from fedfuse.fusion.statistics.fisher import (
+    DIAGONAL_PREFIX,
+    KFAC_PREFIX,
+    check_fisher,
+    kfac_layers,
+)
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.runtime import resolve_device
 
-log = logging.getLogger(__name__)
-
-#: what a site can compute: the diagonal Fisher, the K-FAC factors
-FISHER_KINDS = ("diagonal", "kfac")
-#: samples of its data a site computes its Fisher on (drawn with the site's seed)
-DEFAULT_FISHER_SAMPLES = 2048
 #: the dampings ``damping="auto"`` chooses from, by the merged model's fusion-set loss
 DAMPING_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: the damping ``"auto"`` takes without a labelled fusion set
 UNLABELLED_DAMPING = 1e-2
-DIAGONAL_PREFIX = "diagonal."
-KFAC_PREFIX = "kfac."
 _CG_TOLERANCE = 1e-6
 _CG_MAX_STEPS = 1000
 
 
-# ------------------------------------------------------------------------------- site side
-def kfac_layers(model: nn.Module) -> dict[str, nn.Linear | nn.Conv2d]:
-    """The layers K-FAC factors cover, by module name: every ``Linear`` and every ungrouped
-    ``Conv2d``."""
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        or (isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros")
-    }
-
-
-def _input_rows(layer: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A layer's input rows (patches for a convolution; a trailing 1 with a bias) and the
-    positions per sample."""
-    if isinstance(layer, nn.Conv2d):
-        patches = F.unfold(
-            inputs, layer.kernel_size, layer.dilation, layer.padding, layer.stride
-        )  # (B, C k k, T)
-        positions = patches.shape[-1]
-        rows = patches.transpose(1, 2).reshape(-1, patches.shape[1])
-    else:
-        positions = int(inputs[..., 0].numel() // len(inputs)) if inputs.dim() > 2 else 1
-        rows = inputs.reshape(-1, inputs.shape[-1])
-    if layer.bias is not None:
-        rows = torch.cat([rows, rows.new_ones(len(rows), 1)], dim=1)
-    return rows, positions
-
-
-def _output_rows(layer: nn.Module, grads: torch.Tensor) -> torch.Tensor:
-    if isinstance(layer, nn.Conv2d):
-        return grads.permute(0, 2, 3, 1).reshape(-1, grads.shape[1])
-    return grads.reshape(-1, grads.shape[-1])
-
-
-def _sampled_labels(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    probabilities = torch.softmax(logits.detach().double().cpu(), dim=1)
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(1).to(logits.device)
-
-
-def site_fisher(
-    model: LeveledModel,
-    inputs: torch.Tensor,
-    kinds: Iterable[str],
-    *,
-    samples: int = DEFAULT_FISHER_SAMPLES,
-    seed: int = 0,
-    batch_size: int = 64,
-    device: str | torch.device = "auto",
-) -> dict[str, torch.Tensor]:
-    """A site's Fisher information on up to ``samples`` of its ``inputs`` (module docstring):
-    ``diagonal.<parameter>`` per parameter for ``"diagonal"``, ``kfac.<layer>.inputs`` and
-    ``kfac.<layer>.outputs`` per covered layer for ``"kfac"``. Float32, on the CPU."""
-    kinds = set(kinds)
-    unknown = kinds - set(FISHER_KINDS)
-    if unknown or not kinds:
-        raise ValueError(f"Fisher kinds must be among {FISHER_KINDS}, got {sorted(kinds)}")
-    generator = torch.Generator().manual_seed(seed)
-    if 0 < samples < len(inputs):
-        chosen = torch.randperm(len(inputs), generator=generator)[:samples].sort().values
-        inputs = inputs[chosen]
-    torch_device = resolve_device(device)
-    model = model.to(torch_device).eval()
-    result: dict[str, torch.Tensor] = {}
-    if "diagonal" in kinds:
-        result.update(_diagonal_fisher(model, inputs, generator, batch_size, torch_device))
-    if "kfac" in kinds:
-        result.update(_kfac_factors(model, inputs, generator, batch_size, torch_device))
-    return {k: v.float().cpu() for k, v in result.items()}
-
-
-def _diagonal_fisher(model, inputs, generator, batch_size, device) -> dict[str, torch.Tensor]:
-    """Mean squared per-sample gradients of ``log p(y|x)`` (``torch.func``: one vectorised
-    backward per batch)."""
-    from torch.func import functional_call, grad, vmap
-
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    buffers = {n: b.detach() for n, b in model.named_buffers()}
-
-    def nll(parameters, x, y):
-        logits = functional_call(model, (parameters, buffers), (x.unsqueeze(0),))
-        return F.cross_entropy(logits, y.unsqueeze(0), reduction="sum")
-
-    per_sample = vmap(grad(nll), in_dims=(None, 0, 0))
-    sums = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()}
-    with warnings.catch_warnings():  # attention has no batching rule yet: slower, still exact
-        warnings.filterwarnings("ignore", message="There is a performance drop")
-        for batch in inputs.split(batch_size):
-            batch = batch.to(device)
-            with torch.no_grad():
-                labels = _sampled_labels(model(batch), generator)
-            for name, gradient in per_sample(params, batch, labels).items():
-                sums[name] += gradient.double().square().sum(0)
-    return {f"{DIAGONAL_PREFIX}{n}": s / len(inputs) for n, s in sums.items()}
-
-
-def _kfac_factors(model, inputs, generator, batch_size, device) -> dict[str, torch.Tensor]:
-    """Each covered layer's ``A`` and ``G`` (module docstring), from hooks on one forward and
-    one backward pass per batch of the summed ``log p(y|x)`` of sampled labels."""
-    layers = kfac_layers(model)
-    a_sums: dict[str, torch.Tensor] = {}
-    g_sums: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def forward_hook(name):
-        def hook(layer, args, output):
-            rows, positions = _input_rows(layer, args[0].detach())
-            rows = rows.double()
-            term = rows.T @ rows / positions
-            a_sums[name] = a_sums[name] + term if name in a_sums else term
-            output.register_hook(backward(name, layer))
-
-        return hook
-
-    def backward(name, layer):
-        def hook(grad_output):
-            rows = _output_rows(layer, grad_output.detach()).double()
-            term = rows.T @ rows
-            g_sums[name] = g_sums[name] + term if name in g_sums else term
-
-        return hook
-
-    for name, layer in layers.items():
-        handles.append(layer.register_forward_hook(forward_hook(name)))
-    try:
-        for batch in inputs.split(batch_size):
-            batch = batch.to(device)
-            model.zero_grad(set_to_none=True)
-            logits = model(batch)
-            labels = _sampled_labels(logits, generator)
-            F.cross_entropy(logits, labels, reduction="sum").backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.zero_grad(set_to_none=True)
-    factors = {}
-    for name in layers:
-        if name not in a_sums or name not in g_sums:
-            continue  # a layer the forward pass never reached
-        factors[f"{KFAC_PREFIX}{name}.inputs"] = a_sums[name] / len(inputs)
-        factors[f"{KFAC_PREFIX}{name}.outputs"] = g_sums[name] / len(inputs)
-    return factors
-
-
-def fisher_entry_shapes(model: nn.Module, kinds: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """Every entry a site's Fisher of ``kinds`` holds for ``model``, with its shape."""
-    kinds = set(kinds)
-    shapes: dict[str, tuple[int, ...]] = {}
-    if "diagonal" in kinds:
-        for name, parameter in model.named_parameters():
-            shapes[f"{DIAGONAL_PREFIX}{name}"] = tuple(parameter.shape)
-    if "kfac" in kinds:
-        for name, layer in kfac_layers(model).items():
-            fan_in = layer.weight[0].numel() + (layer.bias is not None)
-            shapes[f"{KFAC_PREFIX}{name}.inputs"] = (fan_in, fan_in)
-            fan_out = layer.weight.shape[0]
-            shapes[f"{KFAC_PREFIX}{name}.outputs"] = (fan_out, fan_out)
-    return shapes
-
-
-def check_fisher(
-    model: nn.Module,
-    fisher: Mapping[str, torch.Tensor],
-    kinds: Iterable[str] = (),
-    *,
-    source: str,
-) -> None:
-    """Raise ValueError naming ``source`` and the entry unless every entry of ``fisher`` is
-    one ``model`` has (:func:`fisher_entry_shapes`), of its shape and finite (diagonal entries
-    >= 0), and every entry of ``kinds`` is there."""
-    known = fisher_entry_shapes(model, FISHER_KINDS)
-    for key in fisher_entry_shapes(model, kinds):
-        if key not in fisher:
-            raise ValueError(f"{source}: its Fisher information has no {key!r}")
-    for key, tensor in fisher.items():
-        if key not in known:
-            raise ValueError(f"{source}: Fisher entry {str(key)[:200]!r} is not one of its model's")
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != known[key]:
-            found = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
-            raise ValueError(
-                f"{source}: Fisher entry {key!r} has shape {found}, expected {known[key]}"
-            )
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{source}: Fisher entry {key!r} has NaN/Inf values")
-        if key.startswith(DIAGONAL_PREFIX) and bool((tensor < 0).any()):
-            raise ValueError(f"{source}: diagonal Fisher entry {key!r} has negative values")
-
-
-def fisher_kinds(methods: Iterable[FusionMethod]) -> tuple[str, ...]:
-    """The Fisher kinds the sites must upload for ``methods`` (empty: none reads Fisher)."""
-    wanted = {
-        kind
-        for method in methods
-        if "fisher" in method.needs()
-        for kind in getattr(method, "fisher_kinds", ())
-    }
-    return tuple(k for k in FISHER_KINDS if k in wanted)
-
-
-# ----------------------------------------------------------------------------- server side
 def _damped(factor: torch.Tensor, damping: float) -> torch.Tensor:
     scale = float(torch.diagonal(factor).mean().clamp_min(1e-12))
     return factor + damping * scale * torch.eye(
@@ -343,7 +131,8 @@ class _FisherFusion(FusionMethod):
     """The shared solve of the Fisher-weighted merges (module docstring)."""
 
     requires = frozenset({"fisher"})
-    #: the Fisher kinds this method reads (:func:`fisher_kinds`)
+    #: the Fisher kinds this method reads
+    #: (:func:`~fedfuse.fusion.statistics.fisher.fisher_kinds`)
     fisher_kinds: tuple[str, ...] = ("diagonal",)
 
     def __init__(self, weighting: str = "uniform", damping: float | str = "auto") -> None:
@@ -374,17 +163,15 @@ class _FisherFusion(FusionMethod):
         for index, (model, fisher) in enumerate(zip(models, fishers, strict=True)):
             check_fisher(model, fisher, self.fisher_kinds, source=f"{self.name}: site {index}")
         shares = averaging_weights(self.name, inputs, len(models), self.weighting == "samples")
-        if self.damping != "auto":
-            return self._merge(models, fishers, shares, float(self.damping))
-        if inputs.data is None or inputs.labels is None:
-            log.info("%s: no labelled fusion set; damping %s", self.name, UNLABELLED_DAMPING)
-            return self._merge(models, fishers, shares, UNLABELLED_DAMPING)
-        candidates = [self._merge(models, fishers, shares, d) for d in DAMPING_GRID]
-        losses = [fusion_set_loss(model, inputs) for model, _ in candidates]
-        best = min(range(len(losses)), key=losses.__getitem__)
-        fused, details = candidates[best]
-        details["fusion_set_losses"] = dict(zip(map(str, DAMPING_GRID), losses, strict=True))
-        return fused, details
+        return fuse_with_option(
+            self.name,
+            "damping",
+            self.damping,
+            lambda damping: self._merge(models, fishers, shares, damping),
+            grid=DAMPING_GRID,
+            unlabelled=UNLABELLED_DAMPING,
+            inputs=inputs,
+        )
 
     def _merge(
         self,
@@ -500,22 +287,11 @@ class FedFisherKFAC(_FisherFusion):
         self.device = device
 
 
-def fisher_bytes(fisher: Mapping[str, torch.Tensor]) -> int:
-    """Bytes of a site's Fisher upload."""
-    return sum(t.numel() * t.element_size() for t in fisher.values())
-
-
 __all__ = [
     "DAMPING_GRID",
-    "FISHER_KINDS",
+    "UNLABELLED_DAMPING",
     "FedFisherDiagonal",
     "FedFisherKFAC",
     "FisherMerging",
-    "check_fisher",
-    "fisher_entry_shapes",
-    "fisher_bytes",
-    "fisher_kinds",
-    "kfac_layers",
-    "site_fisher",
     "solve_kfac_layer",
 ]

@@ -39,7 +39,7 @@ import torch
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
 from fedfuse.fusion.blocks.alignment import affine_levels
-from fedfuse.fusion.inputs import fusion_set_loss
+from fedfuse.fusion.blocks.selection import fuse_with_option
 from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.affine import AffineLevel, channel_blocks, output_rows
@@ -140,18 +140,17 @@ class CCAMerge(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        assert inputs.data is not None  # a requirement
-        if self.epsilon != "auto":
-            return self._aligned_mean(models, inputs.data, float(self.epsilon))
-        if inputs.labels is None:
-            log.info("%s: no fusion-set labels to choose epsilon by; %s", self.name, UNLABELLED)
-            return self._aligned_mean(models, inputs.data, UNLABELLED)
-        candidates = [self._aligned_mean(models, inputs.data, e) for e in EPSILON_GRID]
-        losses = [fusion_set_loss(model, inputs) for model, _ in candidates]
-        best = min(range(len(losses)), key=losses.__getitem__)
-        fused, details = candidates[best]
-        details["fusion_set_losses"] = dict(zip(map(str, EPSILON_GRID), losses, strict=True))
-        return fused, details
+        data = inputs.data
+        assert data is not None  # a requirement
+        return fuse_with_option(
+            self.name,
+            "epsilon",
+            self.epsilon,
+            lambda epsilon: self._aligned_mean(models, data, epsilon),
+            grid=EPSILON_GRID,
+            unlabelled=UNLABELLED,
+            inputs=inputs,
+        )
 
     def _aligned_mean(
         self, models: list[LeveledModel], data: torch.Tensor, epsilon: float
