@@ -173,15 +173,18 @@ def test_a_failed_run_exits_non_zero_and_records_the_error(tmp_path):
     assert not list((out / "latest").glob("clients/client_*.safetensors"))  # none trained
 
 
-def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_path):
-    """Real ClientApps (tests/apps/faulty): site 1 raises mid-round, site 2 sleeps far past the
-    reply timeout; sites 0 and 3 are fused, and both faulty sites are named in the results.
-    Then each fused model is fine-tuned on the sites in one more round, where site 3 crashes:
-    it is named, and the round averages site 0's model alone."""
+def test_faulty_sites_are_named_and_the_run_goes_on_in_every_round(tmp_path):
+    """Real ClientApps (tests/apps/faulty), one run for every round a site can fail in: site 1
+    raises mid-round and site 2 sleeps far past the reply timeout, so sites 0 and 3 are fused
+    and both faulty sites are named. kf-sites then asks the sites for statistics: site 3 answers
+    the first round and crashes in the next, is named, and site 0 carries on. Last, each fused
+    model is fine-tuned on the sites in one more round, where site 3 crashes again: it is named,
+    and the round averages site 0's model alone."""
     started = time.monotonic()
     completed, out, _ = _simulate(
         tmp_path,
-        f"min-nodes=2 reply-timeout={REPLY_TIMEOUT} finetune-epochs=1 finetune-data='sites'",
+        f"min-nodes=2 reply-timeout={REPLY_TIMEOUT} strategy='kf-linear,fedavg,kf-sites' "
+        "finetune-epochs=1 finetune-data='sites'",
         app=REPO / "tests" / "apps" / "faulty",
         num_clients=4,
         grace=5,
@@ -189,18 +192,12 @@ def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_pa
     # two sites were left out: the run fused, but it is not "ok", and simulate says so
     assert completed.returncode == 1, completed.stdout[-3000:] + completed.stderr[-3000:]
     # the hung site (it sleeps 600 s) did not hold the run
-    assert time.monotonic() - started < min(patience(300), 590)
+    assert time.monotonic() - started < min(patience(400), 590)
     report = json.loads((out / "latest" / "results.json").read_text())
     assert report["status"] == "partial"
-    assert sorted(s["status"] for s in report["sites"]) == [
-        "failed",
-        "silent",
-        "uploaded",
-        "uploaded",
-    ]
+    assert sorted(s["status"] for s in report["sites"])[:2] == ["failed", "silent"]
     assert [c["partition_id"] for c in report["clients"]] == [0, 3]
     rejected = report["rejected"]
-    assert len(rejected) == 2
     assert any(
         "the client failed: site 1 crashed mid-round (fault injected by the test app)" in r
         for r in rejected
@@ -212,8 +209,20 @@ def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_pa
         "client_3.safetensors",
     ]
     assert "fused: kf-linear" in completed.stdout
+
+    # the statistics rounds: site 3 named where it crashed, the fusion went on with site 0
+    levels = report["fusions"]["kf-sites"]["details"]["levels"]
+    assert levels[0]["sites"] == [0, 1] and levels[1]["dropped_sites"] == [1]
+    assert all(level["sites"] == [0] for level in levels[1:])
+    assert any(
+        r.startswith("client 3 (node")
+        and "statistics round: the client failed: site 3 crashed in a statistics round" in r
+        for r in rejected
+    ), rejected
+    assert report["accuracy"]["fused"]["kf-sites"]["accuracy"] > 0.3  # chance: 0.1
+
     # the fine-tuning round: reported apart from the zero-shot results, site 3 named
-    assert set(report["accuracy"]["fused"]) == {"kf-linear", "fedavg"}
+    assert set(report["accuracy"]["fused"]) == {"kf-linear", "fedavg", "kf-sites"}
     tuned = report["finetuned"]["kf-linear"]
     assert tuned["status"] == "ok" and tuned["label"] == "kf-linear +ft(sites,1ep)"
     assert tuned["details"]["sites"] == [0] and list(tuned["upload_bytes"]) == ["0"]
@@ -225,31 +234,6 @@ def test_a_crashing_and_a_hanging_site_are_left_out_and_the_round_goes_on(tmp_pa
     assert 0.0 <= tuned["accuracy"]["accuracy"] <= 1.0
     assert Path(tuned["checkpoint"]).name == "finetuned-kf-linear.safetensors"
     assert "kf-linear +ft(sites,1ep)" in completed.stdout
-
-
-def test_a_site_failing_a_statistics_round_is_named_and_the_fusion_goes_on(tmp_path):
-    """kf-sites over real ClientApps (tests/apps/faulty): sites 1 and 2 never upload; site 3
-    uploads, answers the first statistics round and crashes in the next; site 0 carries on."""
-    completed, out, _ = _simulate(
-        tmp_path,
-        f"min-nodes=2 reply-timeout={REPLY_TIMEOUT} strategy='kf-sites'",
-        app=REPO / "tests" / "apps" / "faulty",
-        num_clients=4,
-        grace=5,
-    )
-    assert completed.returncode == 1, completed.stdout[-3000:] + completed.stderr[-3000:]
-    report = json.loads((out / "latest" / "results.json").read_text())
-    assert report["status"] == "partial"  # sites 1 and 2 never uploaded
-    assert [c["partition_id"] for c in report["clients"]] == [0, 3]
-    levels = report["fusions"]["kf-sites"]["details"]["levels"]
-    assert levels[0]["sites"] == [0, 1] and levels[1]["dropped_sites"] == [1]
-    assert all(level["sites"] == [0] for level in levels[1:])
-    assert any(
-        r.startswith("client 3 (node")
-        and "statistics round: the client failed: site 3 crashed in a statistics round" in r
-        for r in report["rejected"]
-    ), report["rejected"]
-    assert report["accuracy"]["fused"]["kf-sites"]["accuracy"] > 0.3  # chance: 0.1
 
 
 def test_ten_sites_with_the_default_strategy(tmp_path):
