@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from fedfuse.fusion.base import FusionInputs
-from fedfuse.fusion.methods.trained.distillation import (
-    KnowledgeDistillation,
-    LinearProbe,
-    distillation_loss,
-    ensemble_log_probs,
-)
+from fedfuse.fusion.methods.trained.distillation import KnowledgeDistillation, LinearProbe
 from fedfuse.fusion.methods.trained.fs_merge import (
     FoldableMatrix,
     FoldableSuperNet,
@@ -23,6 +18,7 @@ from fedfuse.fusion.methods.trained.fs_merge import (
     on_channels,
     zipit_assignment,
 )
+from fedfuse.fusion.methods.trained.teaching import distillation_loss, ensemble_log_probs
 from fedfuse.fusion.registry import FUSION_METHODS, make_fusion_method
 from fedfuse.models import LeveledModel, build_model, mlp_spec, vgg11_spec
 

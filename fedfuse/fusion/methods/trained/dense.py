@@ -45,9 +45,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
-from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
+from fedfuse.fusion.methods.trained.teaching import initial_student
 from fedfuse.fusion.registry import register_fusion_method
-from fedfuse.models import LeveledModel, ModelSpec, build_model
+from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -371,15 +371,6 @@ class Dense(FusionMethod):
         self.seed = seed
         self.device = device
 
-    def _student(self, models: list[LeveledModel], target: ModelSpec) -> LeveledModel:
-        if self.student_init == "fresh":
-            return build_model(target, seed=self.seed)
-        if self.student_init == "first":
-            return copy.deepcopy(models[0])
-        student = build_model(target, seed=self.seed)
-        student.load_state_dict(average_state_dicts(models))
-        return student
-
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
@@ -387,7 +378,8 @@ class Dense(FusionMethod):
         device = resolve_device(self.device)
         generator = torch.Generator().manual_seed(self.seed)
         teachers = _frozen(models, device)
-        student = self._student(models, target).to(device)
+        student = initial_student(self.name, self.student_init, models, target, self.seed)
+        student = student.to(device)
         optimizer = torch.optim.SGD(student.parameters(), lr=self.lr, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(self.epochs, 1))
         synthesis = _Synthesis(
