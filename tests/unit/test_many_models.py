@@ -19,7 +19,7 @@ from fedfuse.fusion.blocks.matching import (
     pair_labels,
 )
 from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
-from fedfuse.fusion.methods.matching.git_rebasin import match_neurons
+from fedfuse.fusion.methods.matching.git_rebasin_matching import match_neurons
 from fedfuse.models import build_model, make_spec, mlp_spec, vgg11_spec
 from fedfuse.models.affine import affine_view
 from fedfuse.models.capture import capture_levels

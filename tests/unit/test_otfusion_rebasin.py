@@ -6,11 +6,12 @@ from scipy.optimize import linear_sum_assignment
 
 from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
-from fedfuse.fusion.blocks.matching import squared_distances
+from fedfuse.fusion.blocks.matching import correlation, squared_distances
 from fedfuse.fusion.blocks.repair import neuron_statistics, repair, target_statistics
 from fedfuse.fusion.blocks.transport import transport_plan
 from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
-from fedfuse.fusion.methods.matching.git_rebasin import GitReBasin, correlation, match_neurons
+from fedfuse.fusion.methods.matching.git_rebasin import GitReBasin
+from fedfuse.fusion.methods.matching.git_rebasin_matching import match_neurons
 from fedfuse.fusion.methods.matching.otfusion import OTFusion
 from fedfuse.fusion.registry import make_fusion_method
 from fedfuse.models import build_model, mlp_spec, vgg11_spec

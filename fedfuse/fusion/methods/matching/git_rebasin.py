@@ -74,6 +74,11 @@ are recomputed on the fusion set
 REPAIR's BatchNorm form); without it they are the averaged aligned statistics. Models without
 BatchNorm are unaffected.
 
+The matching step (costs, MergeMany per level or space) is in
+:mod:`fedfuse.fusion.methods.matching.git_rebasin_matching`; what Git Re-Basin shares with
+OTFusion (options, capture, averaging, REPAIR and BatchNorm reset) in
+:mod:`fedfuse.fusion.methods.matching.aligned_average`.
+
 Reference: S. K. Ainsworth, J. Hayase, S. Srinivasa. "Git Re-Basin: Merging Models modulo
 Permutation Symmetries". ICLR 2023 (arXiv:2209.04836, 2022).
 """
@@ -87,80 +92,32 @@ from typing import Any
 
 import torch
 
-from fedfuse.fusion.base import FusionInputs, FusionMethod
+from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
-from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
-from fedfuse.fusion.blocks.matching import (
-    correlation,
-    linear_assignment,
-    merge_many,
-    squared_distances,
-)
-from fedfuse.fusion.blocks.repair import repair as repair_model
+from fedfuse.fusion.blocks.selection import Fused, lowest_fusion_set_loss
 from fedfuse.fusion.blocks.space_alignment import (
     align_model,
     block_assignment,
     check_feature_spaces,
     pairwise_space_costs,
 )
-from fedfuse.fusion.inputs import (
-    averaging_candidates,
-    check_levels,
-    check_weighted_average,
-    fusion_set_loss,
-    resolve_scores,
+from fedfuse.fusion.inputs import averaging_candidates, check_levels
+from fedfuse.fusion.methods.matching.aligned_average import AlignedAverage
+from fedfuse.fusion.methods.matching.git_rebasin_matching import (
+    MATCHING_COSTS,
+    MergeMany,
+    cost_matrix,
 )
-from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
 from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.capture import capture_levels
-from fedfuse.models.importance import SCORE_METHODS
 from fedfuse.models.symmetry import permutation_matrix
 from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
-MATCHING_COSTS = ("correlation", "l2")
-
-
-def match_neurons(
-    a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
-) -> tuple[torch.Tensor, float]:
-    """The permutation of ``b``'s neurons onto ``a``'s and the mean matched cost.
-
-    Args:
-        a, b: level outputs ``(N, n, ...)`` (or ``(R, n)`` matrices, neurons as columns).
-        cost: ``"correlation"`` (maximise the summed correlation) or ``"l2"`` (minimise the
-            summed squared distance, divided by the rows).
-        batch_size: samples per float64 chunk.
-
-    Returns:
-        ``permutation`` (``b``'s neuron matched to ``a``'s neuron ``i``; use it with
-        :func:`~fedfuse.fusion.blocks.alignment.permute_level`) and the mean matched correlation or
-        squared distance.
-    """
-    matrix = cost_matrix(a, b, cost, batch_size)
-    permutation = linear_assignment(matrix)
-    matched = matrix[torch.arange(len(permutation)), permutation.to(matrix.device)].mean()
-    return permutation, float(-matched if cost == "correlation" else matched)
-
-
-def cost_matrix(
-    a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
-) -> torch.Tensor:
-    """``(n, n)`` float64 cost between ``a``'s and ``b``'s neurons: minus the correlation, or the
-    squared distance divided by the rows (arguments as :func:`match_neurons`)."""
-    if cost not in MATCHING_COSTS:
-        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"cannot permute {b.shape[1]} neurons onto {a.shape[1]}")
-    if cost == "correlation":
-        return -correlation(a, b, batch_size)
-    return squared_distances(a, b, batch_size)
-
 
 @register_fusion_method
-class GitReBasin(FusionMethod):
+class GitReBasin(AlignedAverage):
     """Git Re-Basin, activation matching: permute model 1 onto model 0, then average; more
     models: MergeMany (each model re-matched to the others until none moves), then average.
 
@@ -215,26 +172,20 @@ class GitReBasin(FusionMethod):
     ) -> None:
         if cost not in MATCHING_COSTS:
             raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
-        if fallback_scores not in SCORE_METHODS:
-            raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
-        check_weighted_average(self.name, weighted_average)
+        super().__init__(
+            use_scores=use_scores,
+            fallback_scores=fallback_scores,
+            weighted_average=weighted_average,
+            repair=repair,
+            reset_batchnorm=reset_batchnorm,
+            device=device,
+            batch_size_capture=batch_size_capture,
+        )
         self.cost = cost
-        self.use_scores = use_scores
-        self.fallback_scores = fallback_scores
-        self.weighted_average = weighted_average
-        self.repair = repair
-        self.reset_batchnorm = reset_batchnorm
-        self.device = device
-        self.batch_size_capture = batch_size_capture
         self.match_rounds = match_rounds
         self.seed = seed
 
-    def check_architecture(self, model: LeveledModel) -> None:
-        """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
-        (ResNet, ViT), without ``use_scores`` or ``repair`` (per-level, affine-only options)."""
-        if _affine(model):
-            return
-        check_feature_spaces(model)
+    def _check_space_options(self) -> None:
         if self.use_scores:
             raise ValueError(
                 "use_scores weighs neurons level by level, which needs affine levels; fuse "
@@ -259,68 +210,52 @@ class GitReBasin(FusionMethod):
             needed |= {"labels", "sample_counts"}  # optional (the fallbacks)
         return frozenset(needed)
 
-    def _fuse(
-        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
-    ) -> tuple[LeveledModel, dict[str, Any]]:
-        if _affine(models[0]):
-            return self._fuse_levels(models, inputs, target)
-        return self._fuse_spaces(models, inputs, target)
-
     def _fuse_levels(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """The fusion on the level path (affine levels)."""
         return self._choose(self._level_fusions(models, inputs, target), inputs)
 
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """The fusion on the feature-space path (any model with feature spaces)."""
         return self._choose(self._space_fusions(models, inputs, target), inputs)
 
-    def _choose(
-        self, fusions: dict[str, tuple[LeveledModel, dict[str, Any]]], inputs: FusionInputs
-    ) -> tuple[LeveledModel, dict[str, Any]]:
-        """Reset BatchNorm statistics; of several weightings', the lowest fusion-set loss."""
-        losses: dict[str, float] = {}
-        for weighting, (fused, details) in fusions.items():
-            if self.reset_batchnorm and has_batchnorm(fused):
-                assert inputs.data is not None
-                started = time.perf_counter()
-                reset_batchnorm_statistics(
-                    fused, inputs.data, self.batch_size_capture, resolve_device(self.device)
-                )
-                details["reset_batchnorm_seconds"] = time.perf_counter() - started
-            if len(fusions) > 1:
-                losses[weighting] = fusion_set_loss(fused, inputs, self.batch_size_capture)
-        if not losses:
+    def _choose(self, fusions: dict[str, Fused], inputs: FusionInputs) -> Fused:
+        """Of several weightings' fused models, the one of lowest fusion-set loss."""
+        if len(fusions) == 1:
             return next(iter(fusions.values()))
-        chosen = min(losses, key=losses.__getitem__)
-        fused, details = fusions[chosen]
-        details.update(weighting_chosen=chosen, fusion_set_losses=losses)
-        log.info("%s: %s weights (fusion-set losses %s)", self.name, chosen, losses)
-        return fused, details
+        chosen = lowest_fusion_set_loss(fusions.items(), inputs, self.batch_size_capture)
+        chosen.details.update(weighting_chosen=chosen.key, fusion_set_losses=chosen.losses)
+        log.info("%s: %s weights (fusion-set losses %s)", self.name, chosen.key, chosen.losses)
+        return chosen.model, chosen.details
+
+    def _details(self, weightings: dict[str, list[float]], path: str) -> dict[str, dict[str, Any]]:
+        """Per weighting, the details to fill on ``path`` (``"levels"`` or ``"spaces"``)."""
+        return {
+            weighting: {
+                "path": path,
+                "weighting": weighting,
+                "weights": weights,
+                "cost": self.cost,
+                path: [],
+            }
+            for weighting, weights in weightings.items()
+        }
 
     def _space_fusions(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
-    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
-        """Match every feature space of the models (MergeMany), permute, average: per
+    ) -> dict[str, Fused]:
+        """Match every feature space of the models (MergeMany), permute, average, finish: per
         candidate weighting, on the same costs."""
         weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
         device = resolve_device(self.device)
         assert inputs.data is not None
         spaces = check_feature_spaces(models[0])
-        details = {
-            weighting: {
-                "path": "spaces",
-                "weighting": weighting,
-                "weights": weights,
-                "cost": self.cost,
-                "spaces": [],
-            }
-            for weighting, weights in weightings.items()
+        details = self._details(weightings, "spaces")
+        maps: dict[str, list[dict[str, torch.Tensor]]] = {
+            weighting: [{} for _ in models] for weighting in weightings
         }
-        maps = {weighting: [{} for _ in models] for weighting in weightings}
+        merging = MergeMany(self.cost, self.match_rounds, self.seed)
         for position, space in enumerate(spaces):
             started = time.perf_counter()
             costs = pairwise_space_costs(
@@ -331,88 +266,49 @@ class GitReBasin(FusionMethod):
                 batch_size=self.batch_size_capture,
                 device=device,
             )
-            cost_seconds = time.perf_counter() - started
-            for weighting, weights in weightings.items():
-                started = time.perf_counter()
-                permutations, rounds = merge_many(
-                    costs,
-                    weights,
-                    rounds=self.match_rounds,
-                    seed=self.seed + position,
-                    assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
-                )
-                matched = _matched(costs, permutations) / len(space.probes)
+            merged = merging.permutations(
+                costs,
+                weightings,
+                offset=position,
+                label={"space": space.name},
+                started=started,
+                assign=lambda cost, groups=space.groups: block_assignment(cost, groups),
+                probes=len(space.probes),
+            )
+            for weighting, (permutations, entry) in merged.items():
                 for model_maps, permutation in zip(
                     maps[weighting][1:], permutations[1:], strict=True
                 ):
                     model_maps[space.name] = permutation_matrix(permutation)
-                seconds = cost_seconds + time.perf_counter() - started
-                details[weighting]["spaces"].append(
-                    {
-                        "space": space.name,
-                        "matched": -matched if self.cost == "correlation" else matched,
-                        **_moves(permutations, rounds),
-                        "seconds": seconds,
-                    }
-                )
-                log.debug(
-                    "%s space %s: matched %.4g (%.3f s)", self.name, space.name, matched, seconds
-                )
+                details[weighting]["spaces"].append(entry)
         fusions = {}
         for weighting, weights in weightings.items():
             aligned = [models[0]] + [
                 align_model(m, model_maps, spaces)
                 for m, model_maps in zip(models[1:], maps[weighting][1:], strict=True)
             ]
-            fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-            fused.load_state_dict(average_state_dicts(aligned, weights))
+            fused = self._average(aligned, weights, target)
+            fused = self._finish(fused, aligned, weights, inputs, details[weighting], False)
             fusions[weighting] = (fused, details[weighting])
         return fusions
 
     def _level_fusions(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
-    ) -> dict[str, tuple[LeveledModel, dict[str, Any]]]:
-        """Match every hidden level of the models (MergeMany), permute, average: per candidate
-        weighting, on the same costs."""
+    ) -> dict[str, Fused]:
+        """Match every hidden level of the models (MergeMany), permute, average, finish: per
+        candidate weighting, on the same costs."""
         weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
-        levels = check_levels(self.name, models)
-        hidden = levels[:-1]
-        device = resolve_device(self.device)
+        hidden = check_levels(self.name, models)[:-1]
         assert inputs.data is not None
-        scores = (
-            resolve_scores(
-                self.name, models, inputs, fallback=self.fallback_scores, device=self.device
-            )
-            if self.use_scores
-            else None
-        )
-        captured = [
-            capture_levels(
-                m,
-                inputs.data,
-                hidden,
-                batch_size=self.batch_size_capture,
-                device=device,
-                store_device=device,
-                keep_inputs=False,
-            )
-            for m in models
-        ]
+        scores = self._scores(models, inputs)
+        captured = self._capture_hidden(models, inputs.data, hidden)
         permuted = {
             weighting: [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
             for weighting in weightings
         }
-        details = {
-            weighting: {
-                "path": "levels",
-                "weighting": weighting,
-                "weights": weights,
-                "cost": self.cost,
-                "levels": [],
-            }
-            for weighting, weights in weightings.items()
-        }
+        details = self._details(weightings, "levels")
         lambdas: dict[str, dict[int, torch.Tensor]] = {weighting: {} for weighting in weightings}
+        merging = MergeMany(self.cost, self.match_rounds, self.seed)
         for index in hidden:
             started = time.perf_counter()
             outputs = [c[index].outputs for c in captured]
@@ -423,12 +319,12 @@ class GitReBasin(FusionMethod):
                 for i in range(len(models))
                 for j in range(i + 1, len(models))
             }
-            cost_seconds = time.perf_counter() - started
-            for weighting, weights in weightings.items():
-                started = time.perf_counter()
-                permutations, rounds = merge_many(
-                    costs, weights, rounds=self.match_rounds, seed=self.seed + index
-                )
+            label = {"level": models[0].level_name(index)}
+            merged = merging.permutations(
+                costs, weightings, offset=index, label=label, started=started
+            )
+            for weighting, (permutations, entry) in merged.items():
+                weights = weightings[weighting]
                 for model, permutation in zip(
                     permuted[weighting][1:], permutations[1:], strict=True
                 ):
@@ -439,63 +335,16 @@ class GitReBasin(FusionMethod):
                         permutations,
                         weights,
                     )
-                matched = _matched(costs, permutations)
-                seconds = cost_seconds + time.perf_counter() - started
-                details[weighting]["levels"].append(
-                    {
-                        "level": models[0].level_name(index),
-                        "matched": -matched if self.cost == "correlation" else matched,
-                        **_moves(permutations, rounds),
-                        "seconds": seconds,
-                    }
-                )
-                log.debug("%s level %s: matched %.4g (%.3f s)", self.name, index, matched, seconds)
+                details[weighting]["levels"].append(entry)
         del captured
         fusions = {}
         for weighting, weights in weightings.items():
-            fused = _average(permuted[weighting], target, weights, lambdas[weighting])
-            if self.repair:
-                started = time.perf_counter()
-                repair_model(
-                    fused,
-                    permuted[weighting],
-                    inputs.data,
-                    weights,
-                    batch_size=self.batch_size_capture,
-                    device=device,
-                )
-                details[weighting]["repair_seconds"] = time.perf_counter() - started
+            fused = _average_by_neuron(permuted[weighting], target, weights, lambdas[weighting])
+            fused = self._finish(
+                fused, permuted[weighting], weights, inputs, details[weighting], True
+            )
             fusions[weighting] = (fused, details[weighting])
         return fusions
-
-
-def _affine(model: LeveledModel) -> bool:
-    """Whether every neuron level of ``model`` is affine (the level path applies)."""
-    try:
-        affine_levels(model)
-    except ValueError:
-        return False
-    return True
-
-
-def _matched(costs: dict[tuple[int, int], torch.Tensor], permutations: list[torch.Tensor]) -> float:
-    """The mean cost of the aligned neurons, averaged over the pairs of models."""
-    means = [float(cost[permutations[i], permutations[j]].mean()) for (i, j), cost in costs.items()]
-    return sum(means) / len(means)
-
-
-def _moves(permutations: list[torch.Tensor], rounds: int) -> dict[str, Any]:
-    """The details of one level's (or space's) permutations."""
-    identity = torch.arange(len(permutations[0]))
-    moves: dict[str, Any] = {
-        "moved": sum(int((p != identity).sum()) for p in permutations[1:]),
-        "rounds": rounds,
-    }
-    if len(permutations) == 2:
-        moves["permutation"] = permutations[1].tolist()
-    else:
-        moves["permutations"] = [p.tolist() for p in permutations]
-    return moves
 
 
 def _score_lambdas(
@@ -514,7 +363,7 @@ def _score_lambdas(
 
 
 @torch.no_grad()
-def _average(
+def _average_by_neuron(
     models: list[LeveledModel],
     target: ModelSpec,
     weights: list[float],

@@ -4,16 +4,9 @@ Every model other than the reference is aligned to the reference level by level,
 At hidden neuron level :math:`\ell`, with the reference's neurons :math:`i = 1..n` and the
 model's neurons :math:`j = 1..m`, marginals :math:`\mu \in \Delta_n, \nu \in \Delta_m` (uniform,
 or the neurons' importance scores, normalised to sum to 1 per model and level: the paper's
-App. C) and a ground cost :math:`C_{ij}`, the transport plan solves
-
-.. math::
-    P^\ast = \operatorname*{arg\,min}_{P \in U(\mu, \nu)} \langle P, C \rangle_F
-    \quad\text{(exact EMD)} \qquad\text{or}\qquad
-    P^\ast_\lambda = \operatorname*{arg\,min}_{P \in U(\mu, \nu)}
-        \langle P, C / \max C \rangle_F - \lambda H(P) \quad\text{(Sinkhorn)},
-
-    U(\mu, \nu) = \{P \in \mathbb{R}_{+}^{n \times m} : P \mathbf{1}_m = \mu,\;
-        P^\top \mathbf{1}_n = \nu\}.
+App. C) and a ground cost :math:`C_{ij}`, the transport plan :math:`P^\ast` is the coupling of
+:math:`\mu` and :math:`\nu` of least cost, exact (EMD) or entropic (Sinkhorn, on
+:math:`C / \max C`), as :mod:`fedfuse.fusion.blocks.transport` states it.
 
 The ground cost is the squared Euclidean distance between the neurons' *pre-activations* (the
 level outputs on the fusion set, over samples and spatial positions, divided by the number of
@@ -66,6 +59,10 @@ are recomputed on the fusion set
 the running variances linearly, which is only right for a permutation. Models without BatchNorm are
 unaffected.
 
+The alignment step is in :mod:`fedfuse.fusion.methods.matching.otfusion_transport`; what OTFusion
+shares with Git Re-Basin (options, capture, averaging, REPAIR and BatchNorm reset) in
+:mod:`fedfuse.fusion.methods.matching.aligned_average`.
+
 References: S. P. Singh, M. Jaggi. "Model Fusion via Optimal Transport". NeurIPS 2020.
 M. Imfeld, J. Graldi, M. Giordano, T. Hofmann, S. Anagnostidis, S. P. Singh. "Transformer
 Fusion with Optimal Transport". ICLR 2024 (arXiv:2310.05719, 2023).
@@ -73,41 +70,18 @@ Fusion with Optimal Transport". ICLR 2024 (arXiv:2310.05719, 2023).
 
 from __future__ import annotations
 
-import copy
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
-
-from fedfuse.fusion.base import FusionInputs, FusionMethod
-from fedfuse.fusion.blocks.alignment import affine_levels, map_incoming, map_outgoing
-from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
-from fedfuse.fusion.blocks.matching import squared_distances
-from fedfuse.fusion.blocks.repair import repair as repair_model
-from fedfuse.fusion.blocks.space_alignment import (
-    align_model,
-    block_transport,
-    capture_space,
-    check_feature_spaces,
-    is_permutation,
-    space_cost,
-)
-from fedfuse.fusion.blocks.transport import SOLVERS, row_stochastic, transport_plan
-from fedfuse.fusion.inputs import (
-    averaging_candidates,
-    check_levels,
-    check_weighted_average,
-    fusion_set_loss,
-    resolve_scores,
-    sample_counts,
-)
-from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
+from fedfuse.fusion.base import FusionInputs
+from fedfuse.fusion.blocks.selection import Fused, lowest_fusion_set_loss
+from fedfuse.fusion.blocks.transport import SOLVERS
+from fedfuse.fusion.inputs import averaging_candidates, check_levels, sample_counts
+from fedfuse.fusion.methods.matching.aligned_average import AlignedAverage
+from fedfuse.fusion.methods.matching.otfusion_transport import Transport
 from fedfuse.fusion.registry import register_fusion_method
-from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.capture import capture_levels
-from fedfuse.models.importance import SCORE_METHODS
+from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -117,9 +91,8 @@ GROUND_METRICS = ("auto", "activations", "weights")
 REFERENCE_RULES = ("largest", "auto")
 
 
-# ---------------------------------------------------------------------------------- the method
 @register_fusion_method
-class OTFusion(FusionMethod):
+class OTFusion(AlignedAverage):
     """OTFusion: transport every model's neurons onto a reference model's, then average.
 
     Args:
@@ -196,34 +169,28 @@ class OTFusion(FusionMethod):
             raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
         if solver == "sinkhorn" and reg <= 0:
             raise ValueError(f"Sinkhorn needs reg > 0, got {reg}")
-        if fallback_scores not in SCORE_METHODS:
-            raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")
+        super().__init__(
+            use_scores=use_scores,
+            fallback_scores=fallback_scores,
+            weighted_average=weighted_average,
+            repair=repair,
+            reset_batchnorm=reset_batchnorm,
+            device=device,
+            batch_size_capture=batch_size_capture,
+        )
         if isinstance(reference, bool) or not (
             isinstance(reference, int) or reference in REFERENCE_RULES
         ):
             raise ValueError(
                 f"reference must be a model index or one of {REFERENCE_RULES}, got {reference!r}"
             )
-        check_weighted_average(self.name, weighted_average)
         self.reference = reference
         self.ground_metric = ground_metric
         self.solver = solver
         self.reg = reg
         self.max_iter = max_iter
-        self.use_scores = use_scores
-        self.fallback_scores = fallback_scores
-        self.weighted_average = weighted_average
-        self.repair = repair
-        self.reset_batchnorm = reset_batchnorm
-        self.device = device
-        self.batch_size_capture = batch_size_capture
 
-    def check_architecture(self, model: LeveledModel) -> None:
-        """Affine levels (MLP, VGG): every option. Otherwise any model with feature spaces
-        (ResNet, ViT), with activation costs and without ``use_scores`` or ``repair``."""
-        if _affine(model):
-            return
-        check_feature_spaces(model)
+    def _check_space_options(self) -> None:
         refused = {
             "ground_metric='weights'": self.ground_metric == "weights",
             "use_scores": self.use_scores,
@@ -268,21 +235,14 @@ class OTFusion(FusionMethod):
             needed |= {"data", "labels", "sample_counts"}  # optional (the fallbacks)
         return frozenset(needed)
 
-    def _fuse(
-        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
-    ) -> tuple[LeveledModel, dict[str, Any]]:
-        return self._fuse_path(models, inputs, target, _affine(models[0]))
-
     def _fuse_levels(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """The fusion on the level path (affine levels)."""
         return self._fuse_path(models, inputs, target, True)
 
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        """The fusion on the feature-space path (any model with feature spaces)."""
         return self._fuse_path(models, inputs, target, False)
 
     def _fuse_path(
@@ -293,51 +253,20 @@ class OTFusion(FusionMethod):
         metrics = self._metrics(inputs) if affine else ["activations"]
         references = self._references(models, inputs)
         weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
-        captured = None
-        if affine and "activations" in metrics:
-            assert inputs.data is not None
-            hidden = check_levels(self.name, models)[:-1]
-            device = resolve_device(self.device)
-            captured = [  # once, whichever reference
-                capture_levels(
-                    m,
-                    inputs.data,
-                    hidden,
-                    batch_size=self.batch_size_capture,
-                    device=device,
-                    store_device=device,
-                    keep_inputs=False,
-                )
-                for m in models
-            ]
-        choose = len(metrics) * len(references) * len(weightings) > 1
-        best: tuple[float, LeveledModel, dict[str, Any]] | None = None
-        losses: list[dict[str, Any]] = []
-        for metric in metrics:
-            for ref in references:
-                if affine:
-                    aligned, alignment = self._align_levels(models, inputs, metric, ref, captured)
-                else:
-                    aligned, alignment = self._align_spaces(models, inputs, ref)
-                for weighting, weights in weightings.items():
-                    details = {**alignment, "weighting": weighting, "weights": weights}
-                    fused = self._average(aligned, weights, inputs, target, details, affine)
-                    if not choose:
-                        return fused, details
-                    loss = fusion_set_loss(fused, inputs, self.batch_size_capture)
-                    losses.append(
-                        {"ground_metric": metric, "reference": ref, "weighting": weighting}
-                        | {"loss": loss}
-                    )
-                    if best is None or loss < best[0]:
-                        best = (loss, fused, details)
-        assert best is not None
-        _, fused, details = best
+        fusions = self._fusions(models, inputs, target, affine, metrics, references, weightings)
+        if len(metrics) * len(references) * len(weightings) == 1:
+            return next(fusions)[1]
+        chosen = lowest_fusion_set_loss(fusions, inputs, self.batch_size_capture)
+        details = chosen.details
         for option, key in (("ground_metric", metrics), ("reference", references)):
             if len(key) > 1:
                 details[f"{option}_chosen"] = details[option]
         if len(weightings) > 1:
             details["weighting_chosen"] = details["weighting"]
+        losses = [
+            {"ground_metric": metric, "reference": ref, "weighting": weighting, "loss": loss}
+            for (metric, ref, weighting), loss in chosen.losses.items()
+        ]
         details["fusion_set_losses"] = losses
         log.info(
             "%s: ground metric %s, reference %s, %s weights (fusion-set losses %s)",
@@ -347,7 +276,44 @@ class OTFusion(FusionMethod):
             details["weighting"],
             losses,
         )
-        return fused, details
+        return chosen.model, details
+
+    def _fusions(
+        self,
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        affine: bool,
+        metrics: list[str],
+        references: list[int],
+        weightings: dict[str, list[float]],
+    ) -> Iterator[tuple[tuple[str, int, str], Fused]]:
+        """Each candidate fusion, one at a time, keyed by its ground metric, reference and
+        weighting: every alignment averaged with every weighting, then finished."""
+        device = resolve_device(self.device)
+        levels = check_levels(self.name, models) if affine else []
+        captured = None
+        if affine and "activations" in metrics:
+            assert inputs.data is not None
+            captured = self._capture_hidden(models, inputs.data, levels[:-1])  # once, any ref
+        transport = Transport(
+            self.solver, self.reg, self.max_iter, self.batch_size_capture, device, self.name
+        )
+        for metric in metrics:
+            for ref in references:
+                if affine:
+                    scores = self._scores(models, inputs)
+                    aligned, alignment = transport.levels(
+                        models, levels, metric, ref, captured, scores
+                    )
+                else:
+                    assert inputs.data is not None
+                    aligned, alignment = transport.spaces(models, inputs.data, ref)
+                for weighting, weights in weightings.items():
+                    details = {**alignment, "weighting": weighting, "weights": weights}
+                    fused = self._average(aligned, weights, target)
+                    fused = self._finish(fused, aligned, weights, inputs, details, affine)
+                    yield (metric, ref, weighting), (fused, details)
 
     def _metrics(self, inputs: FusionInputs) -> list[str]:
         """The ground metrics to fuse with (affine levels): ``auto``, both when the fusion set
@@ -377,172 +343,3 @@ class OTFusion(FusionMethod):
             return [0]
         counts = sample_counts(self.name, inputs, len(models))
         return [counts.index(max(counts))]
-
-    def _average(
-        self,
-        aligned: list[LeveledModel],
-        weights: list[float],
-        inputs: FusionInputs,
-        target: ModelSpec,
-        details: dict[str, Any],
-        affine: bool,
-    ) -> LeveledModel:
-        """The ``weights``-average of the aligned models, repaired (affine levels, ``repair``)
-        and its BatchNorm statistics reset (``reset_batchnorm``); timings into ``details``."""
-        fused = build_model(target, seed=0)  # overwritten; the seed spares the global RNG
-        fused.load_state_dict(average_state_dicts(aligned, weights))
-        device = resolve_device(self.device)
-        if affine and self.repair:
-            assert inputs.data is not None
-            started = time.perf_counter()
-            repair_model(
-                fused,
-                aligned,
-                inputs.data,
-                weights,
-                batch_size=self.batch_size_capture,
-                device=device,
-            )
-            details["repair_seconds"] = time.perf_counter() - started
-        if self.reset_batchnorm and has_batchnorm(fused):
-            if inputs.data is None:
-                raise ValueError(f"{self.name}: resetting BatchNorm statistics needs the data")
-            started = time.perf_counter()
-            reset_batchnorm_statistics(fused, inputs.data, self.batch_size_capture, device)
-            details["reset_batchnorm_seconds"] = time.perf_counter() - started
-        return fused.cpu()
-
-    def _align_spaces(
-        self, models: list[LeveledModel], inputs: FusionInputs, ref: int
-    ) -> tuple[list[LeveledModel], dict[str, Any]]:
-        """Transport every feature space of every model onto the reference's."""
-        device = resolve_device(self.device)
-        assert inputs.data is not None
-        spaces = check_feature_spaces(models[ref])
-        maps: list[dict[str, torch.Tensor]] = [{} for _ in models]
-        details: dict[str, Any] = {
-            "path": "spaces",
-            "reference": ref,
-            "ground_metric": "activations",
-            "solver": self.solver,
-            "spaces": [],
-        }
-        for space in spaces:
-            started = time.perf_counter()
-            captured_ref = capture_space(
-                models[ref], inputs.data, space, batch_size=self.batch_size_capture, device=device
-            )
-            costs: dict[int, float] = {}
-            permutation = True
-            for k, model in enumerate(models):
-                if k == ref:
-                    continue
-                captured = capture_space(
-                    model, inputs.data, space, batch_size=self.batch_size_capture, device=device
-                )
-                cost = space_cost(captured_ref, captured, "l2", self.batch_size_capture)
-                del captured
-                matrix, costs[k] = block_transport(
-                    cost, space.groups, solver=self.solver, reg=self.reg, max_iter=self.max_iter
-                )
-                permutation &= is_permutation(matrix)
-                maps[k][space.name] = matrix
-            del captured_ref
-            seconds = time.perf_counter() - started
-            details["spaces"].append(
-                {
-                    "space": space.name,
-                    "transport_cost": [costs[k] for k in sorted(costs)],
-                    "permutation": permutation,
-                    "seconds": seconds,
-                }
-            )
-            log.debug("%s space %s: costs %s (%.3f s)", self.name, space.name, costs, seconds)
-        aligned = [m if k == ref else align_model(m, maps[k], spaces) for k, m in enumerate(models)]
-        return aligned, details
-
-    def _align_levels(
-        self,
-        models: list[LeveledModel],
-        inputs: FusionInputs,
-        metric: str,
-        ref: int,
-        captured: list[Any] | None,
-    ) -> tuple[list[LeveledModel], dict[str, Any]]:
-        """Transport every model's neurons onto the reference's, level by level, bottom-up
-        (``captured``: the models' level outputs, for the activation cost)."""
-        levels = check_levels(self.name, models)
-        hidden = levels[:-1]
-        device = resolve_device(self.device)
-        scores = (
-            resolve_scores(
-                self.name, models, inputs, fallback=self.fallback_scores, device=self.device
-            )
-            if self.use_scores
-            else None
-        )
-        aligned = [copy.deepcopy(m).cpu() for m in models]  # the inputs are never modified
-        views = [affine_levels(m) for m in aligned]
-        details: dict[str, Any] = {
-            "path": "levels",
-            "reference": ref,
-            "ground_metric": metric,
-            "solver": self.solver,
-            "levels": [],
-        }
-        for position, index in enumerate(hidden):
-            started = time.perf_counter()
-            costs: dict[int, float] = {}
-            is_permutation = True
-            for k in range(len(models)):
-                if k == ref:
-                    continue
-                if metric == "activations":
-                    assert captured is not None
-                    cost = squared_distances(
-                        captured[ref][index].outputs,
-                        captured[k][index].outputs,
-                        self.batch_size_capture,
-                    )
-                else:
-                    cost = squared_distances(
-                        views[ref][index].weights().to(device),
-                        views[k][index].weights().to(device),
-                        self.batch_size_capture,
-                    )
-                plan = transport_plan(
-                    cost,
-                    None if scores is None else scores[ref][index],
-                    None if scores is None else scores[k][index],
-                    solver=self.solver,
-                    reg=self.reg,
-                    max_iter=self.max_iter,
-                )
-                cost = cost.cpu()
-                costs[k] = float((plan * cost).sum())
-                matrix = row_stochastic(plan, cost)
-                is_permutation &= bool(((matrix == 0) | (matrix == 1)).all()) and bool(
-                    (matrix.sum(0) == 1).all()
-                )
-                map_outgoing(views[k][index], matrix.float())
-                map_incoming(views[k][levels[position + 1]], matrix.float(), channels=len(cost.T))
-            seconds = time.perf_counter() - started
-            details["levels"].append(
-                {
-                    "level": models[ref].level_name(index),
-                    "transport_cost": [costs[k] for k in sorted(costs)],
-                    "permutation": is_permutation,
-                    "seconds": seconds,
-                }
-            )
-            log.debug("%s level %s: costs %s (%.3f s)", self.name, index, costs, seconds)
-        return aligned, details
-
-
-def _affine(model: LeveledModel) -> bool:
-    """Whether every neuron level of ``model`` is affine (the level path applies)."""
-    try:
-        affine_levels(model)
-    except ValueError:
-        return False
-    return True
