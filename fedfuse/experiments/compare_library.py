@@ -44,7 +44,7 @@ def run_library(job: Job, scenario: Scenario) -> Outcome:
     request = upload_request_for(  # what the server's train message would ask
         [job.method], settings.fusion_gaussians(), secure=settings.secure_aggregation
     )
-    initial = (  # the server's common start in shared mode, as strategies/server_app.py sends it
+    initial = (  # the server's common start in shared mode, as strategies/one_shot_run.py sends it
         build_model(scenario.model_spec(), seed=initial_seed(settings)).state_dict()
         if settings.init == "shared"
         else None

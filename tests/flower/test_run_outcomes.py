@@ -19,7 +19,7 @@ from fedfuse.data import ImageDataset, load_dataset, save_npz_dataset
 from fedfuse.federation.contract import DataContract, SiteRefusal
 from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
-from fedfuse.strategies import FusionAborted, server_app
+from fedfuse.strategies import FusionAborted, one_shot_run, server_app
 from tests.fakes import SitesGrid
 from tests.helpers import quick_site_settings
 
@@ -168,7 +168,7 @@ def test_a_failure_after_fusion_keeps_every_fused_model(files, tmp_path, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("the evaluation crashed")
 
-    monkeypatch.setattr(server_app, "evaluate_fusion", broken)
+    monkeypatch.setattr(one_shot_run, "evaluate_fusion", broken)
     grid, context = _deployment(files, tmp_path)
     with pytest.raises(RuntimeError, match="the evaluation crashed"):
         server_app.main(grid, context)
@@ -202,7 +202,7 @@ def test_a_stopped_run_reads_stopped_and_keeps_what_it_saved(files, tmp_path, mo
     def stop(*args, **kwargs):
         raise KeyboardInterrupt  # what `flwr stop` and Ctrl-C raise in a ServerApp
 
-    monkeypatch.setattr(server_app, "evaluate_fusion", stop)
+    monkeypatch.setattr(one_shot_run, "evaluate_fusion", stop)
     grid, context = _deployment(files, tmp_path)
     with pytest.raises(KeyboardInterrupt):
         server_app.main(grid, context)
