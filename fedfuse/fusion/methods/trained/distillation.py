@@ -228,10 +228,6 @@ class KnowledgeDistillation(FusionSetTraining):
     """
 
     name = "kd"
-    kind = KIND
-    requires = frozenset({"data"})
-    same_spec = False
-    retargetable = True
 
     def __init__(
         self,
@@ -318,10 +314,6 @@ class LinearProbe(FusionSetTraining):
     """
 
     name = "linear-probe"
-    kind = KIND
-    requires = frozenset({"data"})
-    same_spec = False
-    retargetable = True
 
     def __init__(
         self,
