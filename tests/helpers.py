@@ -48,6 +48,19 @@ def randn(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
+def assert_levels_compose(model: LeveledModel, x: torch.Tensor, num_classes: int) -> None:
+    """Composing all levels, or splitting the composition in the middle, is the forward pass."""
+    composed = x
+    for level in model.levels:
+        composed = level(composed)
+    assert torch.equal(composed, model(x))
+    assert model(x).shape == (len(x), num_classes)
+    middle = model.num_levels // 2
+    assert torch.allclose(
+        model.forward_levels(model.forward_levels(x, 0, middle), middle), model(x)
+    )
+
+
 def permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:
     """The same function with every hidden neuron level's neurons shuffled."""
     permuted = copy.deepcopy(model)

@@ -23,6 +23,7 @@ from fedfuse.models.symmetry import (
     permute_model,
     random_permutations,
 )
+from tests.helpers import assert_levels_compose
 
 SPECS = {
     "resnet10-28x28x1": make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 8),
@@ -51,15 +52,7 @@ def test_levels_compose_to_the_forward_pass(name, generator):
     spec = SPECS[name]
     model = _trained_statistics(build_model(spec, seed=0), spec, generator)
     x = torch.randn(4, *spec.input_shape, generator=generator)
-    composed = x
-    for level in model.levels:
-        composed = level(composed)
-    assert torch.equal(composed, model(x))
-    assert model(x).shape == (4, spec.num_classes)
-    middle = model.num_levels // 2
-    assert torch.allclose(
-        model.forward_levels(model.forward_levels(x, 0, middle), middle), model(x)
-    )
+    assert_levels_compose(model, x, spec.num_classes)
     # every level owns neurons, and their count is the spec's width (classes for the head)
     assert model.neuron_levels == list(range(model.num_levels))
     assert affine_view(model.levels[-1]) is not None  # the head takes closed-form fits

@@ -4,6 +4,7 @@ from torch import nn
 
 from fedfuse.models import Ensemble, ModelSpec, build_model, make_spec, mlp_spec, vgg11_spec
 from fedfuse.models.capture import capture_levels, predict
+from tests.helpers import assert_levels_compose
 
 
 @pytest.mark.parametrize(
@@ -18,16 +19,7 @@ from fedfuse.models.capture import capture_levels, predict
 def test_composing_all_levels_is_the_forward_pass(spec, generator):
     model = build_model(spec, seed=1).eval()
     x = torch.randn(5, *spec.input_shape, generator=generator)
-    composed = x
-    for level in model.levels:
-        composed = level(composed)
-    assert torch.equal(composed, model(x))
-    assert model(x).shape == (5, spec.num_classes)
-    # splitting the composition anywhere gives the same function
-    middle = model.num_levels // 2
-    assert torch.allclose(
-        model.forward_levels(model.forward_levels(x, 0, middle), middle), model(x)
-    )
+    assert_levels_compose(model, x, spec.num_classes)
 
 
 def test_neuron_levels_and_widths_follow_the_spec():
