@@ -16,7 +16,7 @@ from fedfuse.fusion.registry import make_fusion_method
 from fedfuse.fusion.statistics.grams import align_grams
 from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.io.validation import validate_grams
-from fedfuse.models import LeveledModel, build_model, make_spec
+from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
 from fedfuse.models.ensemble import Ensemble
 from fedfuse.models.symmetry import (
     feature_spaces,
@@ -165,13 +165,18 @@ def _closed_form(grams: list[torch.Tensor], weights: list[torch.Tensor]) -> torc
     return torch.linalg.solve(total, sum(g @ w for g, w in zip(grams, weights, strict=True)))
 
 
-def test_regmean_merges_a_vit_linear_by_its_own_input_gram():
-    spec = SPECS["vit"]
+def _regmean_of_two(spec: ModelSpec, samples: int):
+    """Two different models of ``spec``, their data, and RegMean's fusion of them."""
     first = build_model(spec, seed=0)
     second = _perturbed(build_model(spec, seed=1), seed=5)
-    data = [_data(16, seed=1), _data(16, seed=2)]
+    data = [_data(samples, seed=1), _data(samples, seed=2)]
     grams = [level_grams(m, x) for m, x in zip((first, second), data, strict=True)]
     fused = RegMean(alpha=1.0, jitter=0.0).fuse([first, second], FusionInputs(grams=grams)).model
+    return first, second, data, fused
+
+
+def test_regmean_merges_a_vit_linear_by_its_own_input_gram():
+    first, second, data, fused = _regmean_of_two(SPECS["vit"], samples=16)
     by_hand_grams, by_hand_weights = [], []
     for model, x in zip((first, second), data, strict=True):
         rows = _inputs_of(model, 2, "fc1", x).reshape(-1, 32).double()
@@ -190,12 +195,7 @@ def test_regmean_merges_a_vit_linear_by_its_own_input_gram():
 
 
 def test_regmean_merges_a_resnet_conv_by_its_unfolded_input_gram():
-    spec = SPECS["resnet"]
-    first = build_model(spec, seed=0)
-    second = _perturbed(build_model(spec, seed=1), seed=5)
-    data = [_data(6, seed=1), _data(6, seed=2)]
-    grams = [level_grams(m, x) for m, x in zip((first, second), data, strict=True)]
-    fused = RegMean(alpha=1.0, jitter=0.0).fuse([first, second], FusionInputs(grams=grams)).model
+    first, second, data, fused = _regmean_of_two(SPECS["resnet"], samples=6)
     by_hand_grams, by_hand_weights = [], []
     for model, x in zip((first, second), data, strict=True):
         inputs = _inputs_of(model, 3, "conv2", x)  # bias-free 3x3 conv, padding 1
