@@ -7,32 +7,14 @@ classes (site ``i`` of ``n`` holds the classes ``c`` with ``c % n == i``).
 """
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfuse.data import load_dataset
+from fedfuse.experiments.plain_models import TemplateNet
 
-
-class Net(nn.Module):
-    """Model (simple CNN adapted from 'PyTorch: A 60 Minute Blitz'), for 28x28 grey images."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 4 * 4, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.view(-1, 16 * 4 * 4)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+#: the model of Flower's PyTorch template (simple CNN adapted from 'PyTorch: A 60 Minute Blitz'),
+#: for 28x28 grey images; fedfuse's plain-model experiments train the same network
+Net = TemplateNet
 
 
 def _normalise(images: torch.Tensor) -> torch.Tensor:
