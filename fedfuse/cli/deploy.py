@@ -116,6 +116,16 @@ def byte_size(text: str) -> int:
     return value
 
 
+def add_max_bytes_argument(parser: argparse.ArgumentParser, limits: str) -> None:
+    """``--max-bytes``: the largest ``limits`` (a phrase such as "image array an .npz may hold")."""
+    parser.add_argument(
+        "--max-bytes",
+        type=byte_size,
+        default=DEFAULT_MAX_BYTES,
+        help=f"largest {limits} (default {format_bytes(DEFAULT_MAX_BYTES)})",
+    )
+
+
 def _print_summary(summary: SiteSummary) -> None:
     names = summary.class_names
     label = [f"{i}" + (f" ({names[i]})" if names else "") for i in range(summary.num_classes)]
@@ -284,12 +294,8 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
     check = sources.add_parser("check", help="validate a site .npz file and summarise it")
     check.add_argument("path")
     for parser in (folder, medmnist, arrays, check):
-        parser.add_argument(
-            "--max-bytes",
-            type=byte_size,
-            default=DEFAULT_MAX_BYTES,
-            help="largest array (images, labels) a file may hold or a conversion may make, "
-            f"e.g. 8G (default {format_bytes(DEFAULT_MAX_BYTES)})",
+        add_max_bytes_argument(
+            parser, "array (images, labels) a file may hold or a conversion may make, e.g. 8G"
         )
         parser.add_argument(
             "--max-classes",

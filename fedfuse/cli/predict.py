@@ -7,8 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fedfuse.cli.deploy import byte_size, parse_floats
-from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
+from fedfuse.cli.deploy import add_max_bytes_argument, parse_floats
 from fedfuse.io.atomic import atomic_path
 
 
@@ -60,10 +59,5 @@ def register_cli(commands: Any) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda")
     parser.add_argument("--mean", help="per-channel mean, only for checkpoints that record none")
     parser.add_argument("--std", help="per-channel std, only for checkpoints that record none")
-    parser.add_argument(
-        "--max-bytes",
-        type=byte_size,
-        default=DEFAULT_MAX_BYTES,
-        help=f"largest image array an .npz may hold (default {format_bytes(DEFAULT_MAX_BYTES)})",
-    )
+    add_max_bytes_argument(parser, "image array an .npz may hold")
     parser.set_defaults(handler=predict_command)
