@@ -58,8 +58,19 @@ log = logging.getLogger(__name__)
 app = ClientApp(mods=[secure_sums_mod])
 
 
-def _cannot_take_part(msg: Message, error: Exception, name: str, partition_id: int) -> Message:
-    """The reply of a site that refuses (its data breaks the contract) or failed."""
+def _site_of(context: Context) -> SiteIdentity:
+    """Who the site is, from its Flower context."""
+    partition_id, num_partitions, data_path = site_identity(context)
+    return SiteIdentity(partition_id, num_partitions, site_name(context), data_path)
+
+
+def _cannot_take_part(
+    msg: Message, error: Exception, context: Context, site: SiteIdentity | None
+) -> Message:
+    """The reply of a site that refuses (its data breaks the contract) or failed (``site``:
+    None when it failed before it knew who it is)."""
+    name = site_name(context)
+    partition_id = site.partition_id if site is not None else -1
     if isinstance(error, SiteRefusal):
         log.error("refusing the run: %s", error)
         kind, reason = "refused", str(error)
@@ -75,21 +86,19 @@ def train_and_upload(msg: Message, context: Context) -> Message:
     """Train on the site's data, compute importance scores, reply with weights + scores and
     whatever else the server's message asks for (Grams, Fisher, class Gaussians)."""
     configure_logging()
-    name = site_name(context)
-    partition_id = -1
+    site = None
     try:
-        partition_id, num_partitions, data_path = site_identity(context)
-        site = SiteIdentity(partition_id, num_partitions, name, data_path)
+        site = _site_of(context)
         settings = RunSettings.from_config(context.run_config)
         request = unpack_train_request(msg.content)
         setup = SiteSetup(
             contract=request.contract,
             policy=site_policy(context),
-            cache=run_site_cache(settings, partition_id, num_partitions, data_path),
+            cache=run_site_cache(settings, site.partition_id, site.num_partitions, site.data_path),
         )
         upload = train_site(settings, site, request.upload, request.initial_state, setup)
     except Exception as error:  # the server is told which site cannot take part, and why
-        return _cannot_take_part(msg, error, name, partition_id)
+        return _cannot_take_part(msg, error, context, site)
     finally:  # a simulation's worker trains site after site: hand back what this one freed
         release_free_memory()
     return Message(content=pack_upload(upload), reply_to=msg)
@@ -101,11 +110,9 @@ def check_contract(msg: Message, context: Context) -> Message:
     its policy allow what the run will ask it to send? The site answers that it is ready, or
     refuses (or failed) and says why."""
     configure_logging()
-    name = site_name(context)
-    partition_id = -1
+    site = None
     try:
-        partition_id, num_partitions, data_path = site_identity(context)
-        site = SiteIdentity(partition_id, num_partitions, name, data_path)
+        site = _site_of(context)
         settings = RunSettings.from_config(context.run_config)
         contract, request = unpack_contract_query(msg.content)
         policy = site_policy(context)
@@ -113,11 +120,13 @@ def check_contract(msg: Message, context: Context) -> Message:
         if contract is not None:
             samples = len(check_site_data(settings, contract, site))
         elif policy.min_statistic_rows:
-            samples = len(load_site_data(settings, partition_id, num_partitions, data_path))
+            data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
+            samples = len(data)
         policy.check_request(settings.method_names(), request, samples)
     except Exception as error:  # the server is told which site cannot take part, and why
-        return _cannot_take_part(msg, error, name, partition_id)
-    return Message(content=pack_site_ready(site_name=name, partition_id=partition_id), reply_to=msg)
+        return _cannot_take_part(msg, error, context, site)
+    ready = pack_site_ready(site_name=site.name, partition_id=site.partition_id)
+    return Message(content=ready, reply_to=msg)
 
 
 @app.query("statistics")
