@@ -14,10 +14,12 @@ the early-stopping fit that every fusion method which trains uses.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,32 +109,19 @@ def lr_factor(
 
 
 def make_scheduler(
-    optimizer: torch.optim.Optimizer,
-    name: str,
-    total_steps: int,
-    *,
-    warmup_steps: int = 0,
-    floor: float = 0.0,
-    milestones: Sequence[int] = (),
-    gamma: float = 0.1,
-    period: int = 0,
+    optimizer: torch.optim.Optimizer, name: str, total_steps: int, **options: Any
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The per-step schedule :func:`lr_factor` ``name``; ``step()`` it after each optimizer step."""
+    """The per-step schedule :func:`lr_factor` ``name``; ``step()`` it after each optimizer step.
+
+    ``options`` are :func:`lr_factor`'s keywords (``warmup_steps``, ``floor``, ``milestones``,
+    ``gamma``, ``period``).
+    """
     if name not in SCHEDULERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {SCHEDULERS}")
-    milestones = tuple(milestones)
+    if "milestones" in options:  # read at every step: an iterator would run dry
+        options["milestones"] = tuple(options["milestones"])
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_factor(
-            name,
-            step,
-            total_steps,
-            warmup_steps=warmup_steps,
-            floor=floor,
-            milestones=milestones,
-            gamma=gamma,
-            period=period,
-        ),
+        optimizer, functools.partial(lr_factor, name, total_steps=total_steps, **options)
     )
 
 
