@@ -131,14 +131,9 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
     scores = _scores(content, model, source)
     if scores is None and require_scores:
         raise ContributionError(f"{source}: sent no importance scores, and the strategy needs them")
-    if "class-counts" in site:
-        num_examples, counts = validate_site_facts(
-            metrics.get("num-examples"), site["class-counts"], spec.num_classes, source=source
-        )
-    else:  # the site's policy keeps its case mix (send-class-counts=false)
-        num_examples, counts = as_count(metrics.get("num-examples"), "num-examples", source), None
-        if num_examples < 1:
-            raise ContributionError(f"{source}: num-examples must be >= 1, got {num_examples}")
+    num_examples, counts = _site_size(
+        metrics.get("num-examples"), site.get("class-counts"), spec.num_classes, source
+    )
     partition_id, num_partitions = validate_partition(
         site.get("partition-id"), site.get("num-partitions"), source=source
     )
@@ -215,14 +210,9 @@ def decode_plain_reply(
             raise ContributionError(
                 f"{source}: sent no {name}, which the server asked for: {EXTRAS_HINT}"
             )
-    if "class-counts" in extras:
-        num_examples, counts = validate_site_facts(
-            metrics["num-examples"], extras["class-counts"], adapter.spec.num_classes, source=source
-        )
-    else:
-        num_examples, counts = as_count(metrics["num-examples"], "num-examples", source), None
-        if num_examples < 1:
-            raise ContributionError(f"{source}: num-examples must be >= 1, got {num_examples}")
+    num_examples, counts = _site_size(
+        metrics["num-examples"], extras.get("class-counts"), adapter.spec.num_classes, source
+    )
     loss = next((metrics[k] for k in ("train-loss", "train_loss", "loss") if k in metrics), None)
     return ClientUpload(
         model=model,
@@ -238,6 +228,19 @@ def decode_plain_reply(
         train_loss=float(loss) if isinstance(loss, int | float) else float("nan"),
         seconds=_seconds(extras),
     )
+
+
+def _site_size(
+    num_examples: Any, class_counts: Any, num_classes: int, source: str
+) -> tuple[int, list[int] | None]:
+    """A site's example count and its class counts (None: its policy keeps its case mix,
+    ``send-class-counts=false``), checked."""
+    if class_counts is not None:
+        return validate_site_facts(num_examples, class_counts, num_classes, source=source)
+    count = as_count(num_examples, "num-examples", source)
+    if count < 1:
+        raise ContributionError(f"{source}: num-examples must be >= 1, got {count}")
+    return count, None
 
 
 def _weights_key(content: Any, source: str) -> str:
