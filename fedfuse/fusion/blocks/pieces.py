@@ -57,7 +57,8 @@ from fedfuse.fusion.blocks.attention import (
     token_rows,
     value_weights,
 )
-from fedfuse.models.affine import AffineLevel, affine_view, output_rows
+from fedfuse.models import LeveledModel
+from fedfuse.models.affine import AffineLevel, affine_view, fit_intercept, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
 from fedfuse.models.symmetry import balance_query_key, balance_value_output
 from fedfuse.models.vit import EncoderBlock, PatchEmbedding
@@ -121,6 +122,17 @@ def linear_pieces(level: nn.Module) -> list[LinearPiece] | None:
             load=lambda m, w, _gram: _affine(m).set_weights(w),
         )
     ]
+
+
+def check_affine_intercept(
+    model: LeveledModel, index: int, fit_bias: bool | str, name: str
+) -> None:
+    """Where level ``index`` of ``model`` is affine, raise ValueError (naming ``name`` and the
+    level) unless its layer can be fitted as ``fit_bias`` says
+    (:func:`~fedfuse.models.affine.fit_intercept`); other levels' pieces always have one."""
+    view = affine_view(model.levels[index])
+    if view is not None:
+        fit_intercept(view.layer, fit_bias, where=f"{name}: level {model.level_name(index)}")
 
 
 def pre_output(block: BasicBlock, x: torch.Tensor) -> torch.Tensor:
@@ -393,6 +405,7 @@ _ENCODER = (
 
 __all__ = [
     "LinearPiece",
+    "check_affine_intercept",
     "linear_pieces",
     "output_moments",
     "pre_output",

@@ -9,6 +9,7 @@
 * :mod:`.summed_terms` and :mod:`.fixed_point`: fits that need only sums over sites, and their
   fixed-point units for secure aggregation;
 * :mod:`.privacy`: per-sample clipping and Gaussian noise on what a site sends;
+* :mod:`.budget`: a privacy budget spread over all of a fusion's releases, and its account;
 * :mod:`.grams`: the Gram matrices of each level's inputs (RegMean and kin, one upload);
 * :mod:`.fisher`: the diagonal Fisher or K-FAC factors (Fisher merging, FedFisher, one upload);
 * :mod:`.class_gaussians`: each class's mean and PPCA covariance, which complete a skewed
