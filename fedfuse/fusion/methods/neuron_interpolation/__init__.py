@@ -14,11 +14,16 @@ outputs of the fused levels below), so errors of earlier levels are accounted fo
 The last level (the classifier) is fitted to the mean of the base models' logits, optionally
 weighted per class by each model's share of that class's training samples (``head_weights``).
 
-Modules: :mod:`.methods` (:class:`NeuronInterpolation`: the options and the level-by-level
-loop), :mod:`.variants` (the registered ``hf-*``/``kf-*`` methods), :mod:`.grouping` (step 1),
-:mod:`.linear` and :mod:`.gradient` (step 2), :mod:`.costs` (a fitted level's Theorem 1 cost),
-:mod:`.structure` (which base level each fused level fits), :mod:`.options` (the variants'
-choices and constructors), :mod:`.prior` (the base weights a Linear fit shrinks towards).
+Modules: :mod:`.methods` (:class:`NeuronInterpolation`: the level-by-level loop),
+:mod:`.interpolation_options` (its options and what they configure), :mod:`.variants` (the
+registered ``hf-*``/``kf-*`` methods), :mod:`.grouping` (step 1), :mod:`.linear` and
+:mod:`.gradient` (step 2), :mod:`.costs` (a fitted level's Theorem 1 cost), :mod:`.structure`
+(which base level each fused level fits), :mod:`.options` (the variants' choices and
+constructors), :mod:`.prior` (the base weights a Linear fit shrinks towards). Fitted on the
+sites' statistics instead of the fusion set: :mod:`.sites` (``hf-sites``/``kf-sites``, one
+statistics round per level), :mod:`.site_options` (the family's options), :mod:`.site_fits`
+(the server's fit from the statistics), :mod:`.grams` (from uploaded Grams) and :mod:`.trusted`
+(on the fusion set, each row to the models that know its label).
 """
 
 from fedfuse.fusion.methods.neuron_interpolation.gradient import GRADIENT_PRESETS, GradientPreset
