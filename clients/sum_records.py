@@ -14,7 +14,7 @@ import json
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedfuse.fusion.methods.regression.regmean import GramTermsRequest
+from fedfuse.fusion.methods.regression.regmean_sums import GramTermsRequest
 from fedfuse.fusion.statistics.fixed_point import FixedPoint
 from fedfuse.fusion.statistics.privacy import GaussianStatistics
 from fedfuse.fusion.statistics.rounds import StatisticsRequest

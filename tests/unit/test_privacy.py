@@ -179,7 +179,7 @@ def test_private_regmean_spends_its_budget_over_the_levels_with_seeded_noise():
 
 def test_private_regmean_needs_sums_and_affine_levels_and_its_mechanism_travels_without_seed():
     from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
-    from fedfuse.fusion.methods.regression.regmean import GramTermsRequest
+    from fedfuse.fusion.methods.regression.regmean_sums import GramTermsRequest
     from fedfuse.fusion.statistics.summed_terms import SummedRequest
     from fedfuse.models import resnet_spec
 

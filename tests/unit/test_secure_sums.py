@@ -15,7 +15,8 @@ from flwr.common.secure_aggregation.quantization import dequantize, quantize
 
 from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
 from fedfuse.fusion import FusionInputs, KFSites, LocalSites, StatisticsRequest
-from fedfuse.fusion.methods.regression.regmean import GramTermsRequest, RegMean, level_grams
+from fedfuse.fusion.methods.regression.regmean import RegMean, level_grams
+from fedfuse.fusion.methods.regression.regmean_sums import GramTermsRequest
 from fedfuse.fusion.statistics.fixed_point import FixedPoint, quantization_levels
 from fedfuse.fusion.statistics.summed_terms import (
     NORMS_CLIP,

@@ -52,9 +52,10 @@ NORMS_CLIP = float(1 << 16)
 @dataclass(frozen=True)
 class SummedRequest:
     """One secure or plain round summed over sites: the method's ``request`` (a statistics
-    request, or RegMean's :class:`~fedfuse.fusion.methods.regression.regmean.GramTermsRequest`), the
-    fixed ``units`` of a secure sum (None: summed in the clear), and whether the round asks the
-    squared norms of step 1 (``norms``) instead of the terms."""
+    request, or RegMean's
+    :class:`~fedfuse.fusion.methods.regression.regmean_sums.GramTermsRequest`), the fixed
+    ``units`` of a secure sum (None: summed in the clear), and whether the round asks the squared
+    norms of step 1 (``norms``) instead of the terms."""
 
     request: Any
     units: FixedPoint | None = None
