@@ -50,18 +50,12 @@ from .records import (
     unpack_train_request,
 )
 from .secure import secure_sums_mod
-from .site_context import count_round, site_identity, site_name, site_policy
+from .site_context import count_round, site_identity, site_name, site_of, site_policy
 
 log = logging.getLogger(__name__)
 
 #: secure aggregation (SecAgg+) for the summed rounds; every other message goes to the handlers
 app = ClientApp(mods=[secure_sums_mod])
-
-
-def _site_of(context: Context) -> SiteIdentity:
-    """Who the site is, from its Flower context."""
-    partition_id, num_partitions, data_path = site_identity(context)
-    return SiteIdentity(partition_id, num_partitions, site_name(context), data_path)
 
 
 def _cannot_take_part(
@@ -88,7 +82,7 @@ def train_and_upload(msg: Message, context: Context) -> Message:
     configure_logging()
     site = None
     try:
-        site = _site_of(context)
+        site = site_of(context)
         settings = RunSettings.from_config(context.run_config)
         request = unpack_train_request(msg.content)
         setup = SiteSetup(
@@ -112,7 +106,7 @@ def check_contract(msg: Message, context: Context) -> Message:
     configure_logging()
     site = None
     try:
-        site = _site_of(context)
+        site = site_of(context)
         settings = RunSettings.from_config(context.run_config)
         contract, request = unpack_contract_query(msg.content)
         policy = site_policy(context)
@@ -135,24 +129,16 @@ def statistics_round(msg: Message, context: Context) -> Message:
     its own data, for the level the server asks (site-statistics fusion, e.g. ``kf-sites``)."""
     configure_logging()
     settings = RunSettings.from_config(context.run_config)
-    partition_id, num_partitions, data_path = site_identity(context)
+    site = site_of(context)
     policy = site_policy(context)
     request, model = unpack_statistics_request(msg.content)
     try:
         policy.check_round("rounds", count_round(context))
-        statistics = answer_statistics_request(
-            settings,
-            request,
-            model,
-            partition_id,
-            num_partitions,
-            data_path=data_path,
-            policy=policy,
-        )
+        statistics = answer_statistics_request(settings, request, model, site, policy=policy)
     except SiteRefusal as refusal:  # the server is told why, and sends this site no more
         log.error("refusing a statistics round: %s", refusal)
         content = pack_no_upload(
-            "refused", str(refusal), site_name=site_name(context), partition_id=partition_id
+            "refused", str(refusal), site_name=site.name, partition_id=site.partition_id
         )
         return Message(content=content, reply_to=msg)
     return Message(content=pack_statistics(statistics), reply_to=msg)

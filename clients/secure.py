@@ -37,7 +37,7 @@ from fedfuse.fusion.statistics.summed_terms import SummedRequest
 from fedfuse.runtime import configure_logging
 from fedfuse.settings.run import RunSettings
 
-from .site_context import count_round, site_identity, site_policy
+from .site_context import count_round, site_of, site_policy
 from .sum_records import unpack_sum_request
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def _masked_terms(msg: Message, context: Context) -> Message:
     request's fixed units, by sorted name, with weight 1 (the server adds, not averages)."""
     configure_logging()
     settings = RunSettings.from_config(context.run_config)
-    partition_id, num_partitions, data_path = site_identity(context)
+    site = site_of(context)
     summed, model = unpack_sum_request(msg.content)
     if summed.units is None:
         raise ValueError("a secure summed round must carry its fixed units")
@@ -87,17 +87,14 @@ def _masked_terms(msg: Message, context: Context) -> Message:
     key = summed.key()
     kept = None if summed.norms else _kept_sources(context, key)
     if kept is not None:
-        log.info("site %d: the terms read from the numbers of the norms step", partition_id)
+        log.info("site %d: the terms read from the numbers of the norms step", site.partition_id)
     if kept is None and not summed.norms and _noised(summed):
         log.warning(
             "site %d: the terms of a noised sum without its first step's numbers: noised anew "
             "(a second release of the same data)",
-            partition_id,
+            site.partition_id,
         )
-    terms, sources = answer_sum_request(
-        settings, summed, model, partition_id, num_partitions, data_path=data_path,
-        policy=policy, sources=kept,
-    )  # fmt: skip
+    terms, sources = answer_sum_request(settings, summed, model, site, policy=policy, sources=kept)
     if summed.norms:  # the terms step reads the same numbers: computed, and noised, once
         _keep_sources(context, key, sources)
     arrays = [terms[name].double().numpy() for name in sorted(terms)]
@@ -108,7 +105,7 @@ def _masked_terms(msg: Message, context: Context) -> Message:
         log.warning(
             "site %d: a term reaches %.3g in fixed units, beyond SecAgg+'s range %.3g; it is "
             "clipped",
-            partition_id,
+            site.partition_id,
             largest,
             clip,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context
 
 from fedfuse.federation.policy import SitePolicy
+from fedfuse.federation.site import SiteIdentity
 
 #: node-config key of a site's name, shown in the server's logs, results and checkpoints
 SITE_NAME_KEY = "site-name"
@@ -34,6 +35,12 @@ def site_identity(context: Context) -> tuple[int, int, str | None]:
             f"node {context.node_id}: node config has neither data-path nor num-partitions"
         )
     return partition_id, num_partitions, data_path
+
+
+def site_of(context: Context) -> SiteIdentity:
+    """Who the site is (:func:`site_identity` and its :func:`site_name`)."""
+    partition_id, num_partitions, data_path = site_identity(context)
+    return SiteIdentity(partition_id, num_partitions, site_name(context), data_path)
 
 
 def site_policy(context: Context) -> SitePolicy:

@@ -294,38 +294,42 @@ def load_site_data(
     return Scenario(settings, num_partitions).client_data(partition_id)
 
 
+def _check_fits_model(data: ImageDataset, model: LeveledModel, site: SiteIdentity) -> None:
+    """Refuse to compute on data whose samples are not of the model's input shape."""
+    shape, expected = tuple(data.inputs().shape[1:]), tuple(model.spec.input_shape)
+    if shape != expected:
+        raise ValueError(
+            f"client {site.partition_id}: its data has samples of shape {shape}, the model "
+            f"takes {expected}"
+        )
+
+
 @_on_site_threads
 def answer_statistics_request(
     settings: RunSettings,
     request: StatisticsRequest,
     model: LeveledModel,
-    partition_id: int,
-    num_partitions: int,
+    site: SiteIdentity,
     *,
-    data_path: str | None = None,
     policy: SitePolicy | None = None,
 ) -> SiteStatistics:
     """One statistics round of a site: the statistics of its own model and the fused prefix on
     its own training data (:func:`~fedfuse.fusion.statistics.on_site.site_statistics`). A
     statistic that breaks the site's ``policy`` is refused
     (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
-    data = load_site_data(settings, partition_id, num_partitions, data_path)
+    data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
     samples = min(len(data), request.max_samples or len(data))
     what = f"the statistics of level {request.level} piece {request.piece}"
     if policy is not None:  # before anything is computed; the rows after
         policy.check_statistic(what, samples, rows=samples, columns=0)
-    if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
-        raise ValueError(
-            f"client {partition_id}: its data has samples of shape "
-            f"{tuple(data.inputs().shape[1:])}, the model takes {tuple(model.spec.input_shape)}"
-        )
+    _check_fits_model(data, model, site)
     statistics = site_statistics(model, data.inputs(), request, device=settings.device)
     if policy is not None:
         columns = request.linear_piece.fan_in(request.fused.levels[request.level])
         policy.check_statistic(what, samples, statistics.rows, columns)
     log.info(
         "client %d: statistics of level %d on %d rows in %.1f s",
-        partition_id,
+        site.partition_id,
         request.level,
         statistics.rows,
         statistics.seconds,
@@ -338,10 +342,8 @@ def answer_sum_request(
     settings: RunSettings,
     summed: SummedRequest,
     model: LeveledModel,
-    partition_id: int,
-    num_partitions: int,
+    site: SiteIdentity,
     *,
-    data_path: str | None = None,
     policy: SitePolicy | None = None,
     sources: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], Mapping[str, torch.Tensor]]:
@@ -352,13 +354,8 @@ def answer_sum_request(
     that breaks the site's ``policy`` is refused, as in a statistics round."""
     request = summed.request
     if sources is None:
-        data = load_site_data(settings, partition_id, num_partitions, data_path)
-        if tuple(data.inputs().shape[1:]) != tuple(model.spec.input_shape):
-            raise ValueError(
-                f"client {partition_id}: its data has samples of shape "
-                f"{tuple(data.inputs().shape[1:])}, the model takes "
-                f"{tuple(model.spec.input_shape)}"
-            )
+        data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
+        _check_fits_model(data, model, site)
         if isinstance(request, StatisticsRequest):
             samples = min(len(data), request.max_samples or len(data))
             what = f"the statistics of level {request.level} piece {request.piece}"
@@ -368,7 +365,9 @@ def answer_sum_request(
             policy.check_statistic(what, samples, rows=samples, columns=0)
         sources = site_sources(request, model, data.inputs(), device=settings.device)
     terms = terms_from_sources(summed, model, sources)
-    log.info("client %d: %s of a summed round", partition_id, "norms" if summed.norms else "terms")
+    log.info(
+        "client %d: %s of a summed round", site.partition_id, "norms" if summed.norms else "terms"
+    )
     return terms, sources
 
 
