@@ -103,7 +103,7 @@ def resolve_methods(methods: Sequence[str] | str) -> list[str]:
 
 def split_options(names: Sequence[str], assignments: str) -> dict[str, dict[str, Any]]:
     """Per method, its options from ``"k=v method.k=v ..."`` (see
-    :func:`~fedfuse.fusion.base.split_method_options`)."""
+    :func:`~fedfuse.fusion.registry.split_method_options`)."""
     return split_method_options(names, assignments)
 
 
