@@ -14,6 +14,7 @@ import torch
 
 from fedfuse.experiments.diagnostics import load_weight_vector, weight_vector
 from fedfuse.experiments.report.document import (
+    DiagnosticsOptions,
     Stat,
     SweepModels,
     choose_landscape_rows,
@@ -157,9 +158,10 @@ def build_sweep(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     sweep = build_sweep(tmp_path_factory.mktemp("report"))
-    files = write_report(
-        sweep, landscape_grid=5, landscape_samples=120, landscape_max_rows=4, progress=False
+    options = DiagnosticsOptions(
+        landscape_grid=5, landscape_samples=120, landscape_max_rows=4, progress=False
     )
+    files = write_report(sweep, options=options)
     return sweep, files
 
 
@@ -309,7 +311,7 @@ def test_load_sweep_and_formatting_helpers(tmp_path):
     assert len(sweep.rows) == 11
     assert "iid-2-0-fedavg: the same job as iid-2-0-fedavg-rerun, left out" in sweep.problems
     with pytest.raises(ValueError, match="landscape_grid must be an integer >= 2"):
-        write_report(directory, landscape_grid=1)
+        write_report(directory, options=DiagnosticsOptions(landscape_grid=1))
     assert human_bytes(512) == "512 B" and human_bytes(1536) == "1.5 KiB"
     assert human_bytes(3 * 2**30) == "3.0 GiB" and human_bytes(None) == "–"
     assert format_stat(Stat.of([1.0])) == "1.00 ± – (n=1)"

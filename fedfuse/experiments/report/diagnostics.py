@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,20 +156,50 @@ def choose_landscape_rows(
     return picked[:limit], notes
 
 
+@dataclass(frozen=True)
+class DiagnosticsOptions:
+    """How the report's diagnostics are drawn.
+
+    Attributes:
+        landscape: draw loss/accuracy landscapes.
+        landscape_method: the method (registry name or row label) whose fused model spans the
+            landscape's plane with sites 0 and 1; default: the fusion method with the highest
+            mean accuracy over the sweep.
+        landscape_grid, landscape_samples, landscape_margin: grid points per axis, test examples
+            evaluated per point (a seeded subset of the run's test set), and the margin around
+            the three models (a fraction of their bounding box).
+        landscape_max_rows: at most this many landscapes (one per configuration, in table order).
+        templates: first-layer templates shown per model (largest norm first).
+        device: where models are evaluated (``auto``, ``cpu``, ``cuda``).
+        progress: tqdm bars over the landscape grids.
+    """
+
+    landscape: bool = True
+    landscape_method: str | None = None
+    landscape_grid: int = 11
+    landscape_samples: int = 1000
+    landscape_margin: float = 0.25
+    landscape_max_rows: int = 4
+    templates: int = 8
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("landscape_grid", 2),
+            ("landscape_samples", 1),
+            ("landscape_max_rows", 0),
+            ("templates", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not self.landscape_margin >= 0:
+            raise ValueError(f"landscape_margin must be >= 0, got {self.landscape_margin!r}")
+
+
 def diagnostics_section(
-    sweep: Sweep,
-    out: Path,
-    files: ReportFiles,
-    *,
-    landscape: bool = True,
-    landscape_method: str | None = None,
-    landscape_grid: int = 11,
-    landscape_samples: int = 1000,
-    landscape_margin: float = 0.25,
-    landscape_max_rows: int = 4,
-    templates: int = 8,
-    device: str = "auto",
-    progress: bool = True,
+    sweep: Sweep, out: Path, files: ReportFiles, options: DiagnosticsOptions
 ) -> list[str]:
     """The "Diagnostics" markdown section; writes its figures, weight_stats.csv, landscapes."""
     models = SweepModels(sweep)
@@ -231,7 +262,7 @@ def diagnostics_section(
             md += _figure_line(files, path, f"weight statistics, {_heading(row)}")
         path = files.attempt(
             f"templates of {_heading(row)}",
-            lambda n=named, r=row: _templates_figure(n, r, figures, templates),
+            lambda n=named, r=row: _templates_figure(n, r, figures, options.templates),
         )
         template_lines += _figure_line(files, path, f"first-layer templates, {_heading(row)}")
     if stats_rows:
@@ -240,23 +271,26 @@ def diagnostics_section(
     md += ["", "### First-layer templates", ""]
     md.append(
         "The first layer's weights as images (MLP: each neuron's weight row reshaped to the "
-        f"input; convolution: its filters), the {templates} of largest norm per model; the "
+        f"input; convolution: its filters), the {options.templates} of largest norm per model; the "
         "patterns the neurons match (Wang et al., template matching). Sites beyond the fourth "
         "are not shown."
     )
     md += ["", *template_lines]
 
     md += ["", "### Loss and accuracy landscapes", ""]
-    if not landscape:
+    if not options.landscape:
         md.append("Not drawn (`--no-landscape`).")
         return md
+    grid = options.landscape_grid
     md.append(
         "Test loss and accuracy on the plane through sites 0 and 1 and the fused model "
-        f"(neuron-interpolation paper, Fig. 2); a {landscape_grid}x{landscape_grid} grid, "
-        f"at most {landscape_samples} test examples per point, margin {landscape_margin}."
+        f"(neuron-interpolation paper, Fig. 2); a {grid}x{grid} grid, at most "
+        f"{options.landscape_samples} test examples per point, margin {options.landscape_margin}."
     )
     md.append("")
-    rows, notes = choose_landscape_rows(sweep.rows, landscape_method, models, landscape_max_rows)
+    rows, notes = choose_landscape_rows(
+        sweep.rows, options.landscape_method, models, options.landscape_max_rows
+    )
     for note in notes:
         log.warning("%s", note)
         files.skipped.append(note)
@@ -267,11 +301,11 @@ def diagnostics_section(
                 models,
                 row,
                 out,
-                grid=landscape_grid,
-                samples=landscape_samples,
-                margin=landscape_margin,
-                device=device,
-                progress=progress,
+                grid=grid,
+                samples=options.landscape_samples,
+                margin=options.landscape_margin,
+                device=options.device,
+                progress=options.progress,
             ),
         )
         if result is None:

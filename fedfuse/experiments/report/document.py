@@ -35,6 +35,7 @@ from typing import Any
 from fedfuse.experiments.report import plots
 from fedfuse.experiments.report.diagnostics import (
     SITE_SET_FORMAT,
+    DiagnosticsOptions,
     SweepModels,
     choose_landscape_rows,
     diagnostics_section,
@@ -78,6 +79,7 @@ __all__ = [
     "SweepModels",
     "add_arguments",
     "choose_landscape_rows",
+    "DiagnosticsOptions",
     "diagnostics_section",
     "format_failures_markdown",
     "format_gap_markdown",
@@ -197,15 +199,7 @@ def write_report(
     out_dir: str | Path | None = None,
     *,
     diagnostics: bool = True,
-    landscape: bool = True,
-    landscape_method: str | None = None,
-    landscape_grid: int = 11,
-    landscape_samples: int = 1000,
-    landscape_margin: float = 0.25,
-    landscape_max_rows: int = 4,
-    templates: int = 8,
-    device: str = "auto",
-    progress: bool = True,
+    options: DiagnosticsOptions | None = None,
 ) -> ReportFiles:
     """Write the report of a sweep directory: ``results.md``, ``results.csv`` and figures.
 
@@ -215,28 +209,10 @@ def write_report(
         diagnostics: also load the site sets and fused models for the class distributions,
             importance histograms, weight statistics and templates (else: tables and accuracy
             figures only, from the rows alone).
-        landscape: draw loss/accuracy landscapes (needs ``diagnostics``).
-        landscape_method: the method (registry name or row label) whose fused model spans the
-            landscape's plane with sites 0 and 1; default: the fusion method with the highest
-            mean accuracy over the sweep.
-        landscape_grid, landscape_samples, landscape_margin: grid points per axis, test examples
-            evaluated per point (a seeded subset of the run's test set), and the margin around
-            the three models (a fraction of their bounding box).
-        landscape_max_rows: at most this many landscapes (one per configuration, in table order).
-        templates: first-layer templates shown per model (largest norm first).
-        device: where models are evaluated (``auto``, ``cpu``, ``cuda``).
-        progress: tqdm bars over the landscape grids.
+        options: how the diagnostics are drawn (:class:`DiagnosticsOptions`: landscapes,
+            templates, device, progress bars; None: its defaults).
     """
-    for name, value, low in (
-        ("landscape_grid", landscape_grid, 2),
-        ("landscape_samples", landscape_samples, 1),
-        ("landscape_max_rows", landscape_max_rows, 0),
-        ("templates", templates, 1),
-    ):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not landscape_margin >= 0:
-        raise ValueError(f"landscape_margin must be >= 0, got {landscape_margin!r}")
+    options = options if options is not None else DiagnosticsOptions()
     started = time.perf_counter()
     sweep = load_sweep(sweep_dir)
     out = Path(out_dir) if out_dir is not None else sweep.directory / "report"
@@ -278,20 +254,7 @@ def write_report(
     files.figures += [path for _, path in figures]
     md += format_failures_markdown(sweep)
     if diagnostics and sweep.rows:
-        md += diagnostics_section(
-            sweep,
-            out,
-            files,
-            landscape=landscape,
-            landscape_method=landscape_method,
-            landscape_grid=landscape_grid,
-            landscape_samples=landscape_samples,
-            landscape_margin=landscape_margin,
-            landscape_max_rows=landscape_max_rows,
-            templates=templates,
-            device=device,
-            progress=progress,
-        )
+        md += diagnostics_section(sweep, out, files, options)
     md += ["", f"## Skipped ({len(files.skipped)})", ""]
     md += [f"- {markdown_cell(s)}" for s in files.skipped] or ["Nothing."]
     md += ["", f"Report written in {time.perf_counter() - started:.1f} s."]
@@ -354,14 +317,16 @@ def report_command(args: argparse.Namespace) -> int:
         args.sweep_dir,
         args.out,
         diagnostics=not args.no_diagnostics,
-        landscape=not args.no_landscape,
-        landscape_method=args.landscape_method,
-        landscape_grid=args.landscape_grid,
-        landscape_samples=args.landscape_samples,
-        landscape_margin=args.landscape_margin,
-        landscape_max_rows=args.landscape_max_rows,
-        templates=args.templates,
-        device=args.device,
+        options=DiagnosticsOptions(
+            landscape=not args.no_landscape,
+            landscape_method=args.landscape_method,
+            landscape_grid=args.landscape_grid,
+            landscape_samples=args.landscape_samples,
+            landscape_margin=args.landscape_margin,
+            landscape_max_rows=args.landscape_max_rows,
+            templates=args.templates,
+            device=args.device,
+        ),
     )
     print(f"report: {files.markdown}")
     print(f"table:  {files.csv}")
