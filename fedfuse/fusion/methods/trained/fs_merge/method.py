@@ -244,18 +244,7 @@ class FSMerge(FusionMethod):
         train, val = holdout_split(len(data), self.val_split, generator)
         n_val = len(val)
         split = (train.to(device), val.to(device))
-        details: dict[str, Any] = {
-            "kind": "fusion",
-            "objective": self.objective,
-            "init": self.init,
-            "rank": self.rank,
-            "head": self.head,
-            "schedule": asdict(schedule),
-            "batch_size": self.batch_size or "full",
-            "normalize_targets": self.normalize_targets,
-            "fusion_samples": len(data),
-            "validation_samples": n_val,
-        }
+        details = self._settings_details(schedule, len(data), n_val)
         trained = train_levels(
             frozen,
             data,
@@ -283,6 +272,23 @@ class FSMerge(FusionMethod):
         details["fold_seconds"] = time.perf_counter() - tic
         details["seconds"] = time.perf_counter() - started
         return fused, details
+
+    def _settings_details(
+        self, schedule: FSMergeSchedule, fusion_samples: int, validation_samples: int
+    ) -> dict[str, Any]:
+        """The fusion's details that state its settings and data (both SuperNets)."""
+        return {
+            "kind": "fusion",
+            "objective": self.objective,
+            "init": self.init,
+            "rank": self.rank,
+            "head": self.head,
+            "schedule": asdict(schedule),
+            "batch_size": self.batch_size or "full",
+            "normalize_targets": self.normalize_targets,
+            "fusion_samples": fusion_samples,
+            "validation_samples": validation_samples,
+        }
 
     def space_supernet(
         self, models: Sequence[LeveledModel], data: torch.Tensor, generator: torch.Generator
@@ -354,17 +360,8 @@ class FSMerge(FusionMethod):
         tic = time.perf_counter()
         fused = net.fold().cpu()
         details: dict[str, Any] = {
-            "kind": "fusion",
-            "objective": self.objective,
+            **self._settings_details(schedule, len(data), len(val)),
             "supernet": "feature spaces",
-            "init": self.init,
-            "rank": self.rank,
-            "head": self.head,
-            "schedule": asdict(schedule),
-            "batch_size": self.batch_size or "full",
-            "normalize_targets": self.normalize_targets,
-            "fusion_samples": len(data),
-            "validation_samples": len(val),
             "sites": len(net.sites),
             "training": info,
             "loss": {"initial": info["initial_loss"], "final": info["best_loss"]},
