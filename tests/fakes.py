@@ -131,18 +131,9 @@ def run_hospitals(files, tmp_path, count, policies=None, handler=None, **changes
     from flwr.app import Context
 
     from fedfuse.strategies import server_app
-    from tests.helpers import quick_site_settings
+    from tests.helpers import deployment_settings
 
-    settings = quick_site_settings(
-        **{
-            "fusion_data": str(files["fusion"]),
-            "test_data": str(files["test"]),
-            "output_dir": str(tmp_path / "outputs"),
-            "node_wait_timeout": 1.0,
-            "reply_timeout": 60.0,
-            **changes,
-        }
-    )
+    settings = deployment_settings(files, tmp_path, **changes)
     sites = {
         100 + i: {
             "partition-id": i,

@@ -35,6 +35,21 @@ def quick_site_settings(**changes) -> RunSettings:
     return digits_settings(**{**QUICK_SITE, **changes})
 
 
+def deployment_settings(files, tmp_path: Path, **changes) -> RunSettings:
+    """Quick site settings of an in-process deployment: the server's ``files["fusion"]`` and
+    ``files["test"]``, outputs under ``tmp_path``, short waits, ``changes`` on top."""
+    return quick_site_settings(
+        **{
+            "fusion_data": str(files["fusion"]),
+            "test_data": str(files["test"]),
+            "output_dir": str(tmp_path / "outputs"),
+            "node_wait_timeout": 1.0,
+            "reply_timeout": 60.0,
+            **changes,
+        }
+    )
+
+
 def run_upload_request(settings: RunSettings) -> UploadRequest:
     """What the ServerApp's train message asks of every site in ``settings``' run (the server's
     derivation from its methods), for tests that call a site directly."""

@@ -21,7 +21,7 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.io.checkpoint import load_checkpoint
 from fedfuse.strategies import FusionAborted, one_shot_run, server_app
 from tests.fakes import SitesGrid
-from tests.helpers import quick_site_settings
+from tests.helpers import deployment_settings, quick_site_settings
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -55,17 +55,7 @@ def files(tmp_path_factory):
 
 
 def _deployment(files, tmp_path, site_files=("site-0", "site-1"), **changes):
-    settings = quick_site_settings(
-        **{
-            "methods": "kf-linear,fedavg",
-            "fusion_data": str(files["fusion"]),
-            "test_data": str(files["test"]),
-            "output_dir": str(tmp_path / "outputs"),
-            "node_wait_timeout": 1.0,
-            "reply_timeout": 60.0,
-            **changes,
-        }
-    )
+    settings = deployment_settings(files, tmp_path, **{"methods": "kf-linear,fedavg", **changes})
     sites = {
         100 + i: {"partition-id": i, "site-name": f"hospital-{i}", "data-path": str(files[name])}
         for i, name in enumerate(site_files)
