@@ -54,6 +54,16 @@ def _train_messages(strategy: OneShotFusion) -> list[Message]:
     return list(strategy.configure_train(1, initial, ConfigRecord({"lr": 0.01}), NodesGrid(NODES)))
 
 
+def _assert_serves(strategy: OneShotFusion, method: str, expected: nn.Module) -> None:
+    """The strategy serves ``method``'s fusion as the user's own net, with ``expected``'s
+    weights."""
+    served = strategy.results[method].model
+    assert isinstance(served, TemplateNet)
+    expected_state = expected.state_dict()
+    for name, tensor in served.state_dict().items():
+        assert torch.allclose(tensor, expected_state[name], atol=1e-5), name
+
+
 def test_template_replies_are_fused_into_the_users_own_model(tmp_path):
     nets, counts = [_net(0), _net(1)], [100, 300]
     strategy = OneShotFusion(
@@ -96,11 +106,7 @@ def test_client_extras_travel_and_feed_the_methods(tmp_path):
     direct = make_fusion_method("regmean").fuse(
         leveled, FusionInputs(grams=grams, sample_counts=[48, 48])
     )
-    served = strategy.results["regmean"].model
-    assert isinstance(served, TemplateNet)
-    expected = adapter.export(direct.model).state_dict()
-    for name, tensor in served.state_dict().items():
-        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+    _assert_serves(strategy, "regmean", adapter.export(direct.model))
     assert all(entry.scores is not None for entry in strategy.store.entries)
 
 
@@ -121,11 +127,7 @@ def test_one_upload_site_statistics_fuse_a_users_own_net_without_a_fusion_set(tm
     grams = [level_grams(model, x) for model, (x, _) in zip(leveled, site_data, strict=True)]
     scores = [entry.scores for entry in strategy.store.entries]
     direct = make_fusion_method("kf-grams").fuse(leveled, FusionInputs(grams=grams, scores=scores))
-    served = strategy.results["kf-grams"].model
-    assert isinstance(served, TemplateNet)
-    expected = adapter.export(direct.model).state_dict()
-    for name, tensor in served.state_dict().items():
-        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+    _assert_serves(strategy, "kf-grams", adapter.export(direct.model))
 
 
 def test_a_users_own_net_sends_the_fisher_kind_the_run_reads_and_is_fused_from_it(tmp_path):
@@ -152,11 +154,7 @@ def test_a_users_own_net_sends_the_fisher_kind_the_run_reads_and_is_fused_from_i
     direct = make_fusion_method("fedfisher-kfac").fuse(
         leveled, FusionInputs(fisher=list(uploaded), sample_counts=[48, 48])
     )
-    served = strategy.results["fedfisher-kfac"].model
-    assert isinstance(served, TemplateNet)
-    expected = adapter.export(direct.model).state_dict()
-    for name, tensor in served.state_dict().items():
-        assert torch.allclose(tensor, expected[name], atol=1e-5), name
+    _assert_serves(strategy, "fedfisher-kfac", adapter.export(direct.model))
 
 
 def test_a_missing_extra_or_foreign_weights_name_the_node(tmp_path):
