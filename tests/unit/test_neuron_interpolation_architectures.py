@@ -14,6 +14,8 @@ from fedfuse.models.symmetry import permute_model, random_permutations
 RESNET = make_spec("resnet", (1, 28, 28), 10, depth=10, width_multiplier=1 / 8)
 VIT = make_spec("vit", (1, 28, 28), 10, patch=7, depth=2, heads=4, hidden=32, mlp=48)
 FAST = {"epochs": 3, "last_epochs": 3, "device": "cpu", "use_scores": False}
+ON_RESNET_AND_VIT = pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
+GRADIENT_METHODS = pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
 
 
 def _model(spec, seed, generator):
@@ -26,11 +28,16 @@ def _model(spec, seed, generator):
     return model.eval()
 
 
-@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
-@pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
-def test_fusing_a_model_with_its_permuted_copy_keeps_its_function(spec, method, generator):
+def _model_and_permuted_copy(spec, generator):
+    """A model of ``spec`` and a copy with every neuron symmetry randomly permuted."""
     model = _model(spec, 0, generator)
-    copy = permute_model(model, random_permutations(model, generator))
+    return model, permute_model(model, random_permutations(model, generator))
+
+
+@ON_RESNET_AND_VIT
+@GRADIENT_METHODS
+def test_fusing_a_model_with_its_permuted_copy_keeps_its_function(spec, method, generator):
+    model, copy = _model_and_permuted_copy(spec, generator)
     data = torch.randn(128, *spec.input_shape, generator=generator)
     fused = make_fusion_method(method, epsilon=0.0, **FAST).fuse([model, copy], FusionInputs(data))
     expected, got = model(data), fused.model.eval()(data)
@@ -129,13 +136,12 @@ SUBLAYERS = {
 }
 
 
-@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
+@ON_RESNET_AND_VIT
 @pytest.mark.parametrize("method", ["hf-linear", "kf-linear"])
 def test_closed_form_fusion_of_a_model_with_its_permuted_copy_keeps_its_function(
     spec, method, generator
 ):
-    model = _model(spec, 0, generator)
-    copy = permute_model(model, random_permutations(model, generator))
+    model, copy = _model_and_permuted_copy(spec, generator)
     data = torch.randn(96, *spec.input_shape, generator=generator)
     fused = make_fusion_method(method, use_scores=False).fuse([model, copy], FusionInputs(data))
     fresh = torch.randn(48, *spec.input_shape, generator=generator)
@@ -178,8 +184,7 @@ def test_the_whitening_cut_drops_the_directions_the_data_barely_excites(generato
 
 
 def test_a_vit_fused_with_the_whitening_cut_keeps_the_function_of_a_permuted_copy(generator):
-    model = _model(VIT, 0, generator)
-    copy = permute_model(model, random_permutations(model, generator))
+    model, copy = _model_and_permuted_copy(VIT, generator)
     data = torch.randn(96, *VIT.input_shape, generator=generator)
     method = make_fusion_method("kf-linear", use_scores=False, whiten_rcond=1e-3)
     fused = method.fuse([model, copy], FusionInputs(data)).model.eval()
@@ -217,8 +222,7 @@ def test_a_methods_whitening_cut_reaches_every_attention_fit_and_ends_with_it(
 def test_attention_heads_are_matched_across_models_by_their_maps(generator):
     """A copy whose heads are reordered (queries, keys, values and the output's columns moved
     together) pairs each head with its own image, so the fit stays exact."""
-    model = _model(VIT, 0, generator)
-    copy = permute_model(model, random_permutations(model, generator))
+    model, copy = _model_and_permuted_copy(VIT, generator)
     order = torch.tensor([2, 0, 3, 1])
     with torch.no_grad():
         for block in copy.levels[1:-1]:
@@ -263,11 +267,10 @@ def test_closed_form_variants_accept_resnets_and_vits_and_name_a_level_they_cann
         make_fusion_method(method).check_architecture(model)
 
 
-@pytest.mark.parametrize("spec", [RESNET, VIT], ids=["resnet", "vit"])
-@pytest.mark.parametrize("method", ["hf-gradient", "kf-gradient"])
+@ON_RESNET_AND_VIT
+@GRADIENT_METHODS
 def test_a_closed_form_start_is_kept_when_descent_cannot_improve_it(spec, method, generator):
-    model = _model(spec, 0, generator)
-    copy = permute_model(model, random_permutations(model, generator))
+    model, copy = _model_and_permuted_copy(spec, generator)
     data = torch.randn(96, *spec.input_shape, generator=generator)
     fused = make_fusion_method(
         method, use_scores=False, start="closed-form", preset="refine", device="cpu"
