@@ -57,24 +57,28 @@ CRITICAL flwr 2026-11-26 02:10:09,400 | ray_backend.py:77 | Ray could not start:
 """
 
 
-def test_flowers_boxed_error_is_one_line():
-    assert failure_reason(FLWR_RUN_OUTPUT) == [
-        "Error: Failed to start local SuperLink: `flower-superlink` exited with code 1. See "
-        "logs at /tmp/h/local-superlink/superlink.log."
-    ]
-
-
-def test_a_traceback_gives_its_last_line():
-    assert failure_reason(SUPERLINK_OUTPUT) == [
-        "alembic.util.exc.CommandError: Can't locate revision identified by 'd9bd9d502cf9'"
-    ]
-
-
-def test_an_exit_code_gives_the_line_that_explains_it():
-    assert failure_reason(EXIT_CODE_OUTPUT) == [
-        "Exit Code: 105: Detected a pre-Alembic Flower state database, but its schema does not "
-        "match the baseline migration (revision 8e65d8ae60b0)."
-    ]
+@pytest.mark.parametrize(
+    ("output", "reason"),
+    [
+        (
+            FLWR_RUN_OUTPUT,
+            "Error: Failed to start local SuperLink: `flower-superlink` exited with code 1. See "
+            "logs at /tmp/h/local-superlink/superlink.log.",
+        ),
+        (
+            SUPERLINK_OUTPUT,
+            "alembic.util.exc.CommandError: Can't locate revision identified by 'd9bd9d502cf9'",
+        ),
+        (
+            EXIT_CODE_OUTPUT,
+            "Exit Code: 105: Detected a pre-Alembic Flower state database, but its schema does "
+            "not match the baseline migration (revision 8e65d8ae60b0).",
+        ),
+    ],
+    ids=["boxed-error-is-one-line", "traceback-gives-its-last-line", "exit-code-explained"],
+)
+def test_the_reason_is_the_line_that_explains_the_failure(output, reason):
+    assert failure_reason(output) == [reason]
 
 
 def test_a_log_gives_its_errors_messages_once_and_at_most_limit():
