@@ -17,9 +17,10 @@ weighted per class by each model's share of that class's training samples (``hea
 Modules: :mod:`.methods` (:class:`NeuronInterpolation`: the level-by-level loop),
 :mod:`.interpolation_options` (its options and what they configure), :mod:`.variants` (the
 registered ``hf-*``/``kf-*`` methods), :mod:`.grouping` (step 1), :mod:`.linear` and
-:mod:`.gradient` (step 2), :mod:`.costs` (a fitted level's Theorem 1 cost), :mod:`.structure`
-(which base level each fused level fits), :mod:`.options` (the variants' choices and
-constructors), :mod:`.prior` (the base weights a Linear fit shrinks towards). Fitted on the
+:mod:`.gradient` (step 2), :mod:`.level_fit` (what one level's fit reads), :mod:`.costs` (a
+fitted level's Theorem 1 cost), :mod:`.structure` (which base level each fused level fits),
+:mod:`.options` (the variants' choices and constructors), :mod:`.prior` (the base weights a
+Linear fit shrinks towards). Fitted on the
 sites' statistics instead of the fusion set: :mod:`.sites` (``hf-sites``/``kf-sites``, one
 statistics round per level), :mod:`.site_options` (the family's options), :mod:`.site_fits`
 (the server's fit from the statistics), :mod:`.grams` (from uploaded Grams) and :mod:`.trusted`

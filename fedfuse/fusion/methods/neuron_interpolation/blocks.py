@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,37 @@ def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) 
             )
 
 
+@dataclass(frozen=True)
+class _BlockFit:
+    """What every piece's fit in one block reads: the fused ``level`` and its inputs ``x``, the
+    base ``base_levels`` run on their own ``base_inputs``, the grouping and the sample chunks."""
+
+    level: nn.Module
+    x: torch.Tensor
+    base_levels: list[nn.Module]
+    base_inputs: list[torch.Tensor]
+    group: GroupFn
+    parts: list[slice]
+
+    def base_targets(self, piece: LinearPiece) -> list[torch.Tensor]:
+        """Each base model's ``piece`` targets on every sample, chunk by chunk."""
+        return [
+            run_chunks(lambda t, b=b: piece.target(b, t.to(self.x.device)), i, self.parts)
+            for b, i in zip(self.base_levels, self.base_inputs, strict=True)
+        ]
+
+    def base_targets_on(self, piece: LinearPiece, c: slice) -> list[torch.Tensor]:
+        """Each base model's ``piece`` targets on the samples ``c``."""
+        return [
+            piece.target(b, i[c].to(self.x.device))
+            for b, i in zip(self.base_levels, self.base_inputs, strict=True)
+        ]
+
+    def design(self, piece: LinearPiece, c: slice) -> torch.Tensor:
+        """The fused ``piece``'s design rows on samples ``c``."""
+        return piece.design(self.level, self.x[c])
+
+
 @torch.no_grad()
 def fit_block_linear(
     level: nn.Module,
@@ -79,55 +111,46 @@ def fit_block_linear(
     own ``base_inputs``; ``weights`` are the base output neurons' importances and ``labels`` their
     groups when already chosen (residual levels). Returns the ridge of each piece's fit, the heads'
     groups (ViT blocks) and the output neurons' ``labels``."""
-    parts = chunks(len(x), batch_size)
     # the base models stay where they are, unchanged: their level runs as a copy beside x
     base_levels = [copy.deepcopy(b).to(x.device).eval() for b in base_levels]
+    block = _BlockFit(level, x, base_levels, base_inputs, group, chunks(len(x), batch_size))
     pieces = linear_pieces(level)
     if pieces is None or not is_block_level(level):
         raise TypeError(f"fit_block_linear fits ResNet and ViT blocks, not {type(level).__name__}")
     details: dict[str, Any] = {"sublayers": {}}
     for piece in pieces:
         if piece.kind == "logits":
-            ridge, heads = _fit_logits(piece, level, x, base_levels, base_inputs, group, parts)
+            ridge, heads = _fit_logits(block, piece)
             details["heads"] = heads.tolist()
         else:
-            ridge, fitted = _fit_piece(
-                piece, level, x, base_levels, base_inputs, weights, k, labels, group, parts
-            )
+            ridge, fitted = _fit_piece(block, piece, weights, k, labels)
             labels = labels if piece.inner else fitted
         details["sublayers"][piece.name] = ridge
     return {**details, "labels": labels}
 
 
 def _fit_piece(
+    block: _BlockFit,
     piece: LinearPiece,
-    level: nn.Module,
-    x: torch.Tensor,
-    base_levels: list[nn.Module],
-    base_inputs: list[torch.Tensor],
     weights: torch.Tensor,
     k: int,
     labels: torch.Tensor | None,
-    group: GroupFn,
-    parts: list[slice],
 ) -> tuple[float, torch.Tensor]:
-    """Fit one piece of the fused ``level`` to its groups' centres (inner neurons with equal
+    """Fit one piece of the fused block to its groups' centres (inner neurons with equal
     weights, output neurons by ``weights`` and ``labels``); returns the ridge and the labels."""
-    base_targets = [
-        run_chunks(lambda t, b=b: piece.target(b, t.to(x.device)), i, parts)
-        for b, i in zip(base_levels, base_inputs, strict=True)
-    ]
+    level, x, parts = block.level, block.x, block.parts
+    base_targets = block.base_targets(piece)
     if piece.inner:
         weights = torch.ones(sum(t.shape[1] for t in base_targets), device=weights.device)
         k, labels = piece.width(level), None
-    labels, targets = group_targets(base_targets, weights, k, labels, group)
+    labels, targets = group_targets(base_targets, weights, k, labels, block.group)
     del base_targets
     if piece.stream is not None:
         stream = piece.stream
         targets = targets - run_chunks(lambda t: stream(level, t), x, parts)
     positions = len(targets) // len(x)
     fit, gram, _ = fit_rows(
-        lambda c: piece.design(level, x[c]),
+        lambda c: block.design(piece, c),
         lambda c: targets[c.start * positions : c.stop * positions],
         parts,
     )
@@ -135,40 +158,28 @@ def _fit_piece(
     return fit.ridge, labels
 
 
-def _fit_logits(
-    piece: LinearPiece,
-    level: nn.Module,
-    x: torch.Tensor,
-    base_levels: list[nn.Module],
-    base_inputs: list[torch.Tensor],
-    group: GroupFn,
-    parts: list[slice],
-) -> tuple[float, torch.Tensor]:
+def _fit_logits(block: _BlockFit, piece: LinearPiece) -> tuple[float, torch.Tensor]:
     """Fit an attention's queries and keys
     (:func:`~fedfuse.fusion.blocks.attention.attention_logits`): every model's regressed on the
     fused design in one ridge fit, the heads grouped by their attention maps on the first
     :data:`HEAD_MATCH_SAMPLES` fusion samples (on a validation split of two ViT site sets this
     beat grouping by the logits' forms by 1 point, lower loss in all four fusions); returns the
     ridge and the fused head of each base head."""
-
-    def targets(c: slice) -> torch.Tensor:
-        return torch.cat(
-            [
-                piece.target(b, i[c].to(x.device))
-                for b, i in zip(base_levels, base_inputs, strict=True)
-            ],
-            1,
-        )
-
-    fit, gram, _ = fit_rows(lambda c: piece.design(level, x[c]), targets, parts)
+    level, base_levels = block.level, block.base_levels
+    fit, gram, _ = fit_rows(
+        lambda c: block.design(piece, c),
+        lambda c: torch.cat(block.base_targets_on(piece, c), 1),
+        block.parts,
+    )
     widths = [piece.width(b) for b in base_levels]
     translations = list(fit.weights.split(widths, 1))
     heads = [b.attention.heads for b in base_levels]
     fused_heads = level.attention.heads
     size = level.attention.q.out_features // fused_heads
-    points = attention_map_points(
-        base_levels, [inp[:HEAD_MATCH_SAMPLES].to(x.device) for inp in base_inputs]
+    samples = [inp[:HEAD_MATCH_SAMPLES].to(block.x.device) for inp in block.base_inputs]
+    points = attention_map_points(base_levels, samples)
+    weights, labels = attention_logits(
+        translations, heads, gram, fused_heads, size, block.group, points
     )
-    weights, labels = attention_logits(translations, heads, gram, fused_heads, size, group, points)
     piece.load(level, weights, gram)
     return fit.ridge, labels

@@ -9,13 +9,14 @@ paper's two settings. BatchNorms stay in eval mode while a level trains.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from fedfuse.fusion.methods.neuron_interpolation.costs import level_cost
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
+from fedfuse.fusion.methods.neuron_interpolation.level_fit import LevelFit
 from fedfuse.fusion.methods.neuron_interpolation.sublayers import group_targets
 from fedfuse.training.loop import FitResult, fit_with_early_stopping, holdout_split, make_optimizer
 
@@ -51,6 +52,10 @@ GRADIENT_PRESETS = {
 }
 
 
+#: the preset's fields an option of the same name overrides (None: the preset's value)
+GRADIENT_OVERRIDES = ("epochs", "last_epochs", "lr", "last_lr", "epsilon", "batch_size", "patience")
+
+
 def preset_with_overrides(preset: str, **overrides: Any) -> GradientPreset:
     """:data:`GRADIENT_PRESETS` ``[preset]`` with the ``overrides`` that are not None."""
     return replace(
@@ -58,30 +63,35 @@ def preset_with_overrides(preset: str, **overrides: Any) -> GradientPreset:
     )
 
 
+class GradientOptions(Protocol):
+    """The options :func:`fit_gradient` reads (:class:`~.interpolation_options.InterpolationOptions`
+    has them all)."""
+
+    weighted_loss: bool
+    seed: int
+    batch_size_capture: int
+
+    def gradient_settings(self) -> GradientPreset: ...
+
+
 def fit_gradient(
-    level: nn.Module,
-    x: torch.Tensor,
-    outputs: list[torch.Tensor],
+    fit: LevelFit,
     weights: torch.Tensor,
-    widths: list[int],
-    k: int,
     labels: torch.Tensor | None,
     base_level: nn.Module,
-    is_head: bool,
-    index: int,
     *,
-    settings: GradientPreset,
+    is_head: bool,
     group: GroupFn,
-    weighted_loss: bool,
-    seed: int,
-    batch_size_capture: int,
+    options: GradientOptions,
     started: bool = False,
 ) -> dict[str, Any]:
-    """Fit ``level`` (inputs ``x``, fused level ``index``) by gradient descent to the weighted
-    centres of the base ``outputs``' groups (``labels``, or ``group`` them by their outputs),
-    starting from ``base_level`` (model 0's), or, when ``started``, from the weights ``level``
-    already holds (a closed-form fit, which then also competes for the best state); return
-    the level's details."""
+    """Fit ``fit.level`` (inputs ``fit.x``) by gradient descent to the weighted centres of the
+    base ``fit.outputs``' groups (``labels``, or ``group`` them by their outputs), starting from
+    ``base_level`` (model 0's), or, when ``started``, from the weights the level already holds
+    (a closed-form fit, which then also competes for the best state); return the level's
+    details."""
+    level, x, outputs, k = fit.level, fit.x, fit.outputs, fit.k
+    settings = options.gradient_settings()
     labels, targets_rows = group_targets(outputs, weights, k, labels, group)
     targets_rows = targets_rows.float()
     shape = outputs[0].shape
@@ -92,10 +102,10 @@ def fit_gradient(
     )
     mass = torch.zeros(k, device=labels.device, dtype=weights.dtype)
     mass = mass.index_add_(0, labels, weights.to(mass))
-    neuron_weights = (mass / mass.mean()).float() if weighted_loss else None
+    neuron_weights = (mass / mass.mean()).float() if options.weighted_loss else None
     if not started:
         _initialise(level, base_level, settings.epsilon)
-    fit = _fit_level(
+    result = _fit_level(
         level,
         x,
         targets,
@@ -107,13 +117,13 @@ def fit_gradient(
         batch_size=settings.batch_size,
         val_split=settings.val_split,
         patience=settings.patience,
-        generator=torch.Generator().manual_seed(seed + index),
+        generator=torch.Generator().manual_seed(options.seed + fit.index),
         keep_initial=started,
     )
     return {
-        **level_cost(level, x, outputs, labels, weights, batch_size_capture),
-        "validation_mse": fit.best_loss,
-        "epochs_run": float(fit.epochs_run),
+        **level_cost(level, x, outputs, labels, weights, options.batch_size_capture),
+        "validation_mse": result.best_loss,
+        "epochs_run": float(result.epochs_run),
     }
 
 

@@ -63,6 +63,27 @@ def group_neurons(
     return labels
 
 
+#: the options of :func:`group_neurons` a fusion method holds as attributes of the same names
+GROUPING_OPTIONS = ("grouping", "n_init", "max_iter", "tol", "match_rounds", "kmeans_variance")
+
+
+def group_with_options(
+    method: object,
+    points: torch.Tensor,
+    weights: torch.Tensor,
+    widths: list[int],
+    k: int,
+    *,
+    seed: int,
+    local_search_swaps: int,
+) -> torch.Tensor:
+    """:func:`group_neurons` with the :data:`GROUPING_OPTIONS` that ``method`` holds."""
+    options = {name: getattr(method, name) for name in GROUPING_OPTIONS}
+    return group_neurons(
+        points, weights, widths, k, seed=seed, local_search_swaps=local_search_swaps, **options
+    )
+
+
 #: samples whose output rows are multiplied at once when summing a Gram of neuron columns
 GRAM_CHUNK = 256
 

@@ -18,13 +18,14 @@ from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
 from fedfuse.fusion.methods.neuron_interpolation import prior
 from fedfuse.fusion.methods.neuron_interpolation.blocks import check_block_levels
 from fedfuse.fusion.methods.neuron_interpolation.gradient import (
+    GRADIENT_OVERRIDES,
     GRADIENT_PRESETS,
     GradientPreset,
     preset_with_overrides,
 )
 from fedfuse.fusion.methods.neuron_interpolation.grouping import (
     GROUPINGS,
-    group_neurons,
+    group_with_options,
     residual_labels,
 )
 from fedfuse.fusion.methods.neuron_interpolation.options import APPROXIMATIONS, STARTS
@@ -228,35 +229,22 @@ class InterpolationOptions(FusionMethod):
 
     def gradient_settings(self) -> GradientPreset:
         """The preset with this instance's overrides applied."""
-        return preset_with_overrides(
-            self.preset,
-            epochs=self.epochs,
-            last_epochs=self.last_epochs,
-            lr=self.lr,
-            last_lr=self.last_lr,
-            epsilon=self.epsilon,
-            batch_size=self.batch_size,
-            patience=self.patience,
-        )
+        overrides = {name: getattr(self, name) for name in GRADIENT_OVERRIDES}
+        return preset_with_overrides(self.preset, **overrides)
 
     # ------------------------------------------------------------------ grouping
     def _group(
         self, points: torch.Tensor, weights: torch.Tensor, widths: list[int], k: int
     ) -> torch.Tensor:
         """Fused neuron of each base neuron; ``points`` are base neurons as rows."""
-        return group_neurons(
+        return group_with_options(
+            self,
             points,
             weights,
             widths,
             k,
-            grouping=self.grouping,
-            n_init=self.n_init,
-            max_iter=self.max_iter,
-            tol=self.tol,
             seed=self.seed,
             local_search_swaps=self.local_search_swaps,
-            match_rounds=self.match_rounds,
-            kmeans_variance=self.kmeans_variance,
         )
 
     def _residual_labels(

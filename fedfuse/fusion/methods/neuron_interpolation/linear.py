@@ -13,12 +13,10 @@ by default when the layer has a bias).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from fedfuse.fusion.blocks.costs import cluster_targets
 from fedfuse.fusion.blocks.kmeans import scatter_around_means, weighted_centers
@@ -36,39 +34,52 @@ from fedfuse.fusion.blocks.least_squares import (
 )
 from fedfuse.fusion.methods.neuron_interpolation.costs import level_cost, row_chunk
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
+from fedfuse.fusion.methods.neuron_interpolation.level_fit import LevelFit
 from fedfuse.models.affine import affine_view, fit_intercept, output_rows
 
 
+class LinearOptions(Protocol):
+    """The options :func:`fit_linear` reads (:class:`~.interpolation_options.InterpolationOptions`
+    has them all)."""
+
+    name: str
+    ridge: float | None
+    rcond: float
+    fit_bias: bool | str
+    ridge_prior: str
+    batch_size_capture: int
+
+    @property
+    def gram_dtype(self) -> torch.dtype: ...
+
+
 def fit_linear(
-    level: nn.Module,
-    x: torch.Tensor,
-    outputs: list[torch.Tensor],
+    fit: LevelFit,
     weights: torch.Tensor,
-    widths: list[int],
-    k: int,
     labels: torch.Tensor | None,
     *,
     group: GroupFn,
-    ridge: float | None,
-    rcond: float,
-    gram_dtype: torch.dtype,
-    batch_size_capture: int,
-    name: str,
-    fit_bias: bool | str = "auto",
-    columns: torch.Tensor | None = None,
-    prior_weights: Callable[..., torch.Tensor | None] | None = None,
-    ridge_prior: str = "auto",
+    options: LinearOptions,
 ) -> dict[str, Any]:
-    """Fit the affine ``level`` (inputs ``x``) in closed form to the weighted centres of the
-    base ``outputs``' groups (``labels``, or ``group`` them in the design's basis); return the
-    level's details (costs, rank, ridge and how it was chosen, route, intercept) and the
-    ``labels``; ``fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`. ``columns``, when
-    given, holds the vector ``outputs`` side by side (they are its column blocks), which spares
-    concatenating them again. ``prior_weights(intercept, weights, labels, k)``, when given, are
-    the groups' centres of the base neurons' own weights on this level's inputs
-    (:func:`~.prior.aligned_weight_centres`): on the kernel route the fit shrinks towards them
-    where ``ridge_prior`` says (``"aligned"``; ``"auto"``: where that has the lower
-    leave-one-out error; ``"zero"``: never)."""
+    """Fit the affine ``fit.level`` (inputs ``fit.x``) in closed form to the weighted centres of
+    the base ``fit.outputs``' groups (``labels``, or ``group`` them in the design's basis); return
+    the level's details (costs, rank, ridge and how it was chosen, route, intercept) and the
+    ``labels``; ``options.fit_bias`` as :func:`~fedfuse.models.affine.fit_intercept`.
+    ``fit.columns``, when given, holds the vector outputs side by side (they are its column
+    blocks), which spares concatenating them again. ``fit.prior_weights(intercept, weights,
+    labels, k)``, when given, are the groups' centres of the base neurons' own weights on this
+    level's inputs (:func:`~.prior.aligned_weight_centres`): on the kernel route the fit shrinks
+    towards them where ``options.ridge_prior`` says (``"aligned"``; ``"auto"``: where that has
+    the lower leave-one-out error; ``"zero"``: never)."""
+    level, x, outputs, widths, k = fit.level, fit.x, fit.outputs, fit.widths, fit.k
+    columns, prior_weights = fit.columns, fit.prior_weights
+    name, ridge, rcond, ridge_prior = (
+        options.name,
+        options.ridge,
+        options.rcond,
+        options.ridge_prior,
+    )
+    batch_size_capture = options.batch_size_capture
     view = affine_view(level)
     if view is None:
         raise ValueError(
@@ -76,7 +87,7 @@ def fit_linear(
             "then one Linear/Conv2d); use a gradient variant for it"
         )
     where = f"{name}: level {type(level).__name__}"
-    view = replace(view, bias=fit_intercept(view.layer, fit_bias, where=where))
+    view = replace(view, bias=fit_intercept(view.layer, options.fit_bias, where=where))
     chunk = row_chunk(sum(widths), len(x), batch_size_capture)
     positions = output_rows(outputs[0][:1]).shape[0]
     rows = len(x) * positions
@@ -90,7 +101,7 @@ def fit_linear(
             for s in range(0, len(x), chunk)
         )
         gram, xtz, norms = accumulate_normal_equations(
-            view.design_batches(x, chunk), base_chunks, dtype=gram_dtype
+            view.design_batches(x, chunk), base_chunks, dtype=options.gram_dtype
         )
         if auto:
             basis = gram_spectrum(gram, rows=rows, rcond=rcond)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -32,6 +31,7 @@ from fedfuse.fusion.methods.neuron_interpolation.blocks import fit_block_linear,
 from fedfuse.fusion.methods.neuron_interpolation.costs import level_cost
 from fedfuse.fusion.methods.neuron_interpolation.gradient import fit_gradient
 from fedfuse.fusion.methods.neuron_interpolation.interpolation_options import InterpolationOptions
+from fedfuse.fusion.methods.neuron_interpolation.level_fit import LevelFit
 from fedfuse.fusion.methods.neuron_interpolation.linear import fit_linear
 from fedfuse.fusion.methods.neuron_interpolation.structure import check_structure
 from fedfuse.models import LeveledModel, ModelSpec, build_model
@@ -40,27 +40,6 @@ from fedfuse.models.capture import LevelIO, LevelStream
 from fedfuse.runtime import release_free_memory, resolve_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _LevelFit:
-    """What fitting one fused level reads: its index and module, its input ``x`` on the
-    fusion set, the base models' outputs there (``widths`` neurons each), its width ``k``,
-    and the captures and level mappings of the base models."""
-
-    index: int
-    level: nn.Module
-    x: torch.Tensor
-    outputs: list[torch.Tensor]
-    widths: list[int]
-    k: int
-    captured: list[dict[int, Any]]
-    mappings: list[dict[int, int]]
-    #: every model's outputs side by side (``samples x sum(widths)``; ``outputs`` are its
-    #: column blocks) when the level is a linear one of many models, else None
-    columns: torch.Tensor | None = None
-    #: the groups' centres of the base weights on the level's inputs (:mod:`.prior`), on demand
-    prior_weights: Callable[..., torch.Tensor | None] | None = None
 
 
 class NeuronInterpolation(InterpolationOptions):
@@ -90,7 +69,7 @@ class NeuronInterpolation(InterpolationOptions):
 
     def _fit_level(
         self,
-        fit: _LevelFit,
+        fit: LevelFit,
         models: list[LeveledModel],
         weights: torch.Tensor,
         labels: torch.Tensor | None,
@@ -99,8 +78,7 @@ class NeuronInterpolation(InterpolationOptions):
     ) -> dict[str, Any]:
         """Fit ``fit.level`` in place: closed form (Linear, or the Gradient variant's start),
         then gradient steps for the Gradient variant. Returns the level's details."""
-        level, x, outputs, widths, k = fit.level, fit.x, fit.outputs, fit.widths, fit.k
-        index, captured, mappings = fit.index, fit.captured, fit.mappings
+        level, index, mappings = fit.level, fit.index, fit.mappings
         closed_form = self.approximation == "linear" or (
             self.start == "closed-form"
             and (is_block_level(level) or affine_view(level) is not None)
@@ -109,56 +87,32 @@ class NeuronInterpolation(InterpolationOptions):
         if closed_form and is_block_level(level):
             info = fit_block_linear(
                 level,
-                x,
+                fit.x,
                 [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)],
-                [c[index].inputs for c in captured],
+                [c[index].inputs for c in fit.captured],
                 weights,
-                k,
+                fit.k,
                 labels,
                 group=self._group,
                 batch_size=self.batch_size_capture,
             )
             info.update(
-                level_cost(level, x, outputs, info["labels"], weights, self.batch_size_capture)
+                level_cost(
+                    level, fit.x, fit.outputs, info["labels"], weights, self.batch_size_capture
+                )
             )
         elif closed_form:
-            info = fit_linear(
-                level,
-                x,
-                outputs,
-                weights,
-                widths,
-                k,
-                labels,
-                group=self._group,
-                ridge=self.ridge,
-                rcond=self.rcond,
-                gram_dtype=self.gram_dtype,
-                batch_size_capture=self.batch_size_capture,
-                name=self.name,
-                fit_bias=self.fit_bias,
-                columns=fit.columns,
-                prior_weights=fit.prior_weights,
-                ridge_prior=self.ridge_prior,
-            )
+            info = fit_linear(fit, weights, labels, group=self._group, options=self)
         if self.approximation == "gradient":
             start = {key: info[key] for key in ("representation_cost",) if key in info}
             info = fit_gradient(
-                level,
-                x,
-                outputs,
+                fit,
                 weights,
-                widths,
-                k,
                 info.get("labels", labels),
                 models[0].levels[mappings[0][index]],
-                is_head,
-                index,
-                settings=self.gradient_settings(),
+                is_head=is_head,
                 group=self._group,
-                weighted_loss=self.weighted_loss,
-                seed=self.seed,
-                batch_size_capture=self.batch_size_capture,
+                options=self,
                 started=closed_form,
             )
             if start:
@@ -167,7 +121,7 @@ class NeuronInterpolation(InterpolationOptions):
 
     def _fit_head(
         self,
-        fit: _LevelFit,
+        fit: LevelFit,
         models: list[LeveledModel],
         heads: dict[str, torch.Tensor],
         fused: LeveledModel,
@@ -322,7 +276,7 @@ class NeuronInterpolation(InterpolationOptions):
             widths = [o.shape[1] for o in outputs]
             is_head = index == neuron_levels[-1]
             k = fused.level_width(index)
-            fit = _LevelFit(index, level, x, outputs, widths, k, captured, mappings, columns)
+            fit = LevelFit(index, level, x, outputs, widths, k, captured, mappings, columns)
             if plain:
                 bases = [m.levels[mp[index]] for m, mp in zip(models, mappings, strict=True)]
                 fit.prior_weights = partial(prior.aligned_weight_centres, bases, below, level)
