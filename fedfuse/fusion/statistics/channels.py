@@ -65,14 +65,11 @@ class LocalSites:
         self.data = list(data)
         self.batch_size = batch_size
         self.device = device
-        self._problems: list[str] = []
+        #: why a site gave no statistics (:class:`SiteChannel`); in-process sites always answer
+        self.problems: list[str] = []
 
     def __len__(self) -> int:
         return len(self.models)
-
-    @property
-    def problems(self) -> list[str]:
-        return self._problems
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
         replies: list[SiteStatistics | None] = []

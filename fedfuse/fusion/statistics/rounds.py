@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -151,6 +152,15 @@ class SiteStatistics:
         """The matrices by name (what travels, in their wire precision)."""
         names = self.TENSORS + (self.STREAM_TENSORS if self.stream_cross is not None else ())
         return {name: getattr(self, name) for name in names}
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Mapping[str, torch.Tensor], *, level: int, rows: int, **details: Any
+    ) -> SiteStatistics:
+        """The statistics whose :meth:`tensors` are ``tensors`` (other names ignored; the
+        stream's where given), with the other fields from ``details``."""
+        names = cls.TENSORS + tuple(name for name in cls.STREAM_TENSORS if name in tensors)
+        return cls(level=level, rows=rows, **{name: tensors[name] for name in names}, **details)
 
     @property
     def compressed(self) -> bool:

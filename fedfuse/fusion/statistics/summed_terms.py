@@ -123,14 +123,9 @@ def statistics_from_terms(
     rows = round(float(terms["rows"].reshape(-1)[0]))
     if rows < 1:
         raise ValueError(f"{source}: the summed statistics count {rows} rows")
-    return SiteStatistics(
-        level=level,
-        rows=rows,
-        gram=terms["gram"],
-        cross=terms["cross"],
-        target_gram=terms["target_gram"],
-        translation=torch.zeros_like(terms["cross"]),
-        piece=piece,
+    translation = torch.zeros_like(terms["cross"])
+    return SiteStatistics.from_tensors(
+        {**terms, "translation": translation}, level=level, rows=rows, piece=piece
     )
 
 

@@ -38,7 +38,7 @@ from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.blocks.whitening import uses_whitening_cutoff
 from fedfuse.fusion.inputs import resolve_scores
-from fedfuse.fusion.methods.neuron_interpolation.grouping import group_neurons
+from fedfuse.fusion.methods.neuron_interpolation.grouping import group_with_options
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.site_fits import (
     fit_attention_logits,
@@ -274,19 +274,8 @@ class SiteInterpolation(SiteOptions):
         """The group of each point (rows, model by model, ``sizes`` each): one neuron of each
         model per group (Hungarian), or importance-weighted k-means seeded per level; groups in
         model 0's order (k-means: when ``k`` is its size)."""
-        return group_neurons(
-            points,
-            weights,
-            sizes,
-            k,
-            grouping=self.grouping,
-            n_init=self.n_init,
-            max_iter=self.max_iter,
-            tol=self.tol,
-            seed=self.seed + index,
-            local_search_swaps=0,
-            match_rounds=self.match_rounds,
-            kmeans_variance=self.kmeans_variance,
+        return group_with_options(
+            self, points, weights, sizes, k, seed=self.seed + index, local_search_swaps=0
         )
 
     def _readings(
