@@ -8,7 +8,6 @@ new model. Methods never modify the models they are given.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -21,7 +20,13 @@ from torch import nn
 from fedfuse.fusion.blocks.alignment import affine_levels
 from fedfuse.fusion.bounds import OPTION_BOUNDS, bounds_checked
 from fedfuse.fusion.inputs import FusionInputs, check_inputs
-from fedfuse.fusion.options import check_options, config_class_of, config_values
+from fedfuse.fusion.options import (
+    check_options,
+    config_class_of,
+    config_values,
+    declared_options,
+    forwards_options,
+)
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
 from fedfuse.runtime import release_free_memory
 
@@ -49,6 +54,15 @@ class FusionMethod(ABC):
     instance :meth:`requirements` (those its options make indispensable too) and :meth:`needs`
     (every field it reads). Its options are its constructor's keyword arguments, also as a
     frozen dataclass (:meth:`config_class`, :meth:`from_config`, :meth:`config`).
+
+    A subclass that adds options to a parent's declares only its own and forwards the rest::
+
+        def __init__(self, student_init: str = "first", **inherited: Any) -> None:
+            super().__init__(**inherited)
+
+    Its options are then its own followed by the parent's (:meth:`option_constructors`: along
+    the MRO up to the first ``__init__`` without ``**``), each with the type hint and default of
+    the constructor that declares it; configs, type and range checks read them all.
     """
 
     #: registry name, e.g. ``"fedavg"``
@@ -244,26 +258,29 @@ class FusionMethod(ABC):
         return self.requirements()
 
     @classmethod
-    def options_constructor(cls) -> Any:
-        """The ``__init__`` that defines the options: the nearest one in the MRO that is not a
-        thin ``**options`` wrapper around a parent's (None: the method takes no options)."""
-        for klass in cls.__mro__:
+    def option_constructors(cls) -> list[Any]:
+        """The ``__init__`` s that declare the options, nearest first: along the MRO, every one
+        that forwards ``**`` options to its parent's, then the first that does not (empty: the
+        method takes no options)."""
+        constructors = []
+        for klass in cls.__mro__[:-1]:  # object's __init__ declares no options
             init = klass.__dict__.get("__init__")
-            if init is None or klass is object:
+            if init is None:
                 continue
-            parameters = inspect.signature(init).parameters.values()
-            if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-                return init
-        return None
+            constructors.append(init)
+            if not forwards_options(init):
+                break
+        return constructors
 
     @classmethod
     def option_defaults(cls) -> dict[str, Any]:
-        """The constructor's options (the keys a config may set) with their defaults."""
-        init = cls.options_constructor()
-        if init is None:
-            return {}
-        parameters = inspect.signature(init).parameters.values()
-        return {p.name: p.default for p in parameters if p.name != "self"}
+        """The options (the keys a config may set) with their defaults: each constructor's own
+        (:meth:`option_constructors`, nearest first), an option declared twice the nearest's."""
+        defaults: dict[str, Any] = {}
+        for init in cls.option_constructors():
+            for parameter in declared_options(init):
+                defaults.setdefault(parameter.name, parameter.default)
+        return defaults
 
     @classmethod
     def accepted_options(cls) -> list[str]:

@@ -56,13 +56,34 @@ def parse_options(assignments: str | Iterable[str]) -> dict[str, Any]:
     return options
 
 
+def forwards_options(init: Any) -> bool:
+    """Whether the constructor ``init`` passes ``**`` options on (to its parent's)."""
+    parameters = inspect.signature(init).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def declared_options(init: Any) -> list[inspect.Parameter]:
+    """The options the constructor ``init`` declares itself (not ``self``, not ``**``)."""
+    parameters = inspect.signature(init).parameters.values()
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p for p in parameters if p.name != "self" and p.kind not in variadic]
+
+
 def _option_types(cls: MethodClass) -> dict[str, Any]:
-    """The type hints of the constructor that defines ``cls``'s options."""
-    init = cls.options_constructor()
-    try:
-        return typing.get_type_hints(init) if init is not None else {}
-    except (NameError, TypeError):  # an unresolvable annotation: fall back to the defaults
-        return {}
+    """The type hints of ``cls``'s options, each from the constructor that declares it (the
+    nearest, as :meth:`~fedfuse.fusion.base.FusionMethod.option_defaults`)."""
+    types_of: dict[str, Any] = {}
+    declared: set[str] = set()
+    for init in cls.option_constructors():
+        try:
+            hints = typing.get_type_hints(init)
+        except (NameError, TypeError):  # an unresolvable annotation: fall back to the defaults
+            hints = {}
+        for name in (p.name for p in declared_options(init)):
+            if name not in declared and name in hints:
+                types_of[name] = hints[name]
+            declared.add(name)
+    return types_of
 
 
 def _matches(value: Any, hint: Any) -> bool:

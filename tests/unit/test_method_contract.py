@@ -19,7 +19,13 @@ import typing
 import pytest
 import torch
 
-from fedfuse.fusion import FUSION_METHODS, FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion import (
+    FUSION_METHODS,
+    FusionInputs,
+    FusionMethod,
+    LocalSites,
+    make_fusion_method,
+)
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
@@ -286,8 +292,9 @@ def test_the_config_class_is_the_constructor(name):
     config = cls.config_class()
     assert config is cls.config_class()  # built once
     assert config.__name__ == f"{cls.__name__}Config"
-    init = cls.options_constructor()
-    hints = typing.get_type_hints(init) if init is not None else {}
+    hints = {}
+    for init in reversed(cls.option_constructors()):  # the nearest declaration wins
+        hints.update(typing.get_type_hints(init))
     fields = dataclasses.fields(config)
     assert [f.name for f in fields] == cls.accepted_options()
     for f in fields:
@@ -308,9 +315,9 @@ def test_the_config_class_is_the_constructor(name):
 def test_the_class_documents_its_options(name):
     cls = FUSION_METHODS[name]
     assert cls.__module__.startswith("fedfuse.fusion.") and cls.__doc__
-    init = cls.options_constructor()
-    if init is not None:
-        parameters = inspect.signature(init).parameters.values()
+    constructors = cls.option_constructors()
+    if constructors:
+        parameters = inspect.signature(constructors[-1]).parameters.values()
         assert not any(p.kind is p.VAR_KEYWORD for p in parameters)
         text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         assert all(option in text for option in cls.accepted_options())
@@ -323,3 +330,56 @@ def test_wrong_option_types_are_named():
         FUSION_METHODS["kf-linear"].config_class()(ridge="abc")
     with pytest.raises(ValueError, match=r"no option\(s\) \['ridge'\]"):
         make_fusion_method("kf-gradient", ridge=0.1)
+
+
+class _Parent(FusionMethod):
+    """A method with two options, for the inherited-options test (not registered)."""
+
+    name = "parent"
+
+    def __init__(self, *, epochs: int = 3, lr: float = 0.1) -> None:
+        self.epochs = epochs
+        self.lr = lr
+
+    def _fuse(self, models, inputs, target):
+        raise NotImplementedError
+
+
+class _Child(_Parent):
+    """Adds ``mode`` and forwards the parent's options."""
+
+    name = "child"
+
+    def __init__(self, mode: str = "a", **inherited: typing.Any) -> None:
+        super().__init__(**inherited)
+        self.mode = mode
+
+
+class _ShortChild(_Child):
+    """Declares an inherited option again, with another default."""
+
+    name = "short-child"
+
+    def __init__(self, *, epochs: int = 1, **inherited: typing.Any) -> None:
+        super().__init__(epochs=epochs, **inherited)
+
+
+def test_a_subclass_has_its_own_options_then_its_parents():
+    assert _Parent.accepted_options() == ["epochs", "lr"]
+    assert _Child.option_defaults() == {"mode": "a", "epochs": 3, "lr": 0.1}
+    assert _ShortChild.option_defaults() == {"epochs": 1, "mode": "a", "lr": 0.1}
+    config = _Child.config_class()
+    types = {f.name: f.type for f in dataclasses.fields(config)}
+    assert types == {"mode": str, "epochs": int, "lr": float}
+    child = _Child.from_config({"mode": "b", "epochs": 5})
+    assert child.options() == {"mode": "b", "epochs": 5, "lr": 0.1}
+    assert child.config() == config(mode="b", epochs=5)
+    assert _ShortChild().options() == {"epochs": 1, "mode": "a", "lr": 0.1}
+    for options, named in (({"mode": 1}, r"mode=1 must be str"), ({"lr": "x"}, r"lr='x' must be")):
+        with pytest.raises(ValueError, match=rf"'child': option {named}"):
+            _Child.from_config(options)
+    accepted = r"\['mode', 'epochs', 'lr'\]"
+    with pytest.raises(ValueError, match=rf"'child' has no option\(s\) \['bogus'\]; .*{accepted}"):
+        _Child.from_config({"bogus": 1})
+    with pytest.raises(ValueError, match=r"'child': option epochs=-1 is out of range"):
+        _Child(epochs=-1)

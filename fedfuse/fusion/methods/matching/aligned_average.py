@@ -42,20 +42,21 @@ def has_affine_levels(model: LeveledModel) -> bool:
 class AlignedAverage(FusionMethod):
     """Base of the methods that align the models' neurons, then average them (module docstring).
 
-    Subclasses fuse on each path (:meth:`_fuse_levels`, :meth:`_fuse_spaces`) and refuse the
-    options the feature-space path cannot honour (:meth:`_check_space_options`).
+    Its options and their defaults are the subclasses' too (they forward them as
+    ``**inherited``). Subclasses fuse on each path (:meth:`_fuse_levels`, :meth:`_fuse_spaces`)
+    and refuse the options the feature-space path cannot honour (:meth:`_check_space_options`).
     """
 
     def __init__(
         self,
         *,
-        use_scores: bool,
-        fallback_scores: str,
-        weighted_average: bool | str,
-        repair: bool,
-        reset_batchnorm: bool,
-        device: str,
-        batch_size_capture: int,
+        use_scores: bool = False,
+        fallback_scores: str = "uniform",
+        weighted_average: bool | str = "auto",
+        repair: bool = False,
+        reset_batchnorm: bool = True,
+        device: str = "auto",
+        batch_size_capture: int = 256,
     ) -> None:
         if fallback_scores not in SCORE_METHODS:
             raise ValueError(f"fallback_scores must be one of {SCORE_METHODS}")

@@ -123,6 +123,9 @@ class GitReBasin(AlignedAverage):
 
     Args:
         cost: ``"correlation"`` (default) or ``"l2"`` between pre-activations.
+        match_rounds: more than two models: most rounds of MergeMany (it stops earlier when a
+            round moves nothing).
+        seed: more than two models: seeds MergeMany's order of visits.
         use_scores: average each matched pair of neurons with weights proportional to their
             importance scores (the paper's App. C).
         fallback_scores: score method on the fusion set when scores are used but none given.
@@ -138,9 +141,6 @@ class GitReBasin(AlignedAverage):
             set (models with BatchNorm only; default on).
         device: where activations and costs are computed (``"auto"``, ``"cpu"``, ``"cuda"``).
         batch_size_capture: samples per forward pass when capturing level outputs.
-        match_rounds: more than two models: most rounds of MergeMany (it stops earlier when a
-            round moves nothing).
-        seed: more than two models: seeds MergeMany's order of visits.
 
     Details: ``weights`` (the model weights ``c``) and ``weighting`` (``"uniform"`` or
     ``"samples"``); where ``"auto"`` chose, ``weighting_chosen`` and ``fusion_set_losses`` (per
@@ -160,27 +160,13 @@ class GitReBasin(AlignedAverage):
     def __init__(
         self,
         cost: str = "correlation",
-        use_scores: bool = False,
-        fallback_scores: str = "uniform",
-        weighted_average: bool | str = "auto",
-        repair: bool = False,
-        reset_batchnorm: bool = True,
-        device: str = "auto",
-        batch_size_capture: int = 256,
         match_rounds: int = 100,
         seed: int = 0,
+        **inherited: Any,
     ) -> None:
         if cost not in MATCHING_COSTS:
             raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
-        super().__init__(
-            use_scores=use_scores,
-            fallback_scores=fallback_scores,
-            weighted_average=weighted_average,
-            repair=repair,
-            reset_batchnorm=reset_batchnorm,
-            device=device,
-            batch_size_capture=batch_size_capture,
-        )
+        super().__init__(**inherited)
         self.cost = cost
         self.match_rounds = match_rounds
         self.seed = seed

@@ -153,13 +153,7 @@ class OTFusion(AlignedAverage):
         solver: str = "emd",
         reg: float = 0.01,
         max_iter: int = 1000,
-        use_scores: bool = False,
-        fallback_scores: str = "uniform",
-        weighted_average: bool | str = "auto",
-        repair: bool = False,
-        reset_batchnorm: bool = True,
-        device: str = "auto",
-        batch_size_capture: int = 256,
+        **inherited: Any,
     ) -> None:
         if ground_metric not in GROUND_METRICS:
             raise ValueError(
@@ -169,15 +163,7 @@ class OTFusion(AlignedAverage):
             raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
         if solver == "sinkhorn" and reg <= 0:
             raise ValueError(f"Sinkhorn needs reg > 0, got {reg}")
-        super().__init__(
-            use_scores=use_scores,
-            fallback_scores=fallback_scores,
-            weighted_average=weighted_average,
-            repair=repair,
-            reset_batchnorm=reset_batchnorm,
-            device=device,
-            batch_size_capture=batch_size_capture,
-        )
+        super().__init__(**inherited)
         if isinstance(reference, bool) or not (
             isinstance(reference, int) or reference in REFERENCE_RULES
         ):

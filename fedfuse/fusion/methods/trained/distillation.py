@@ -61,9 +61,10 @@ PROBE_TARGETS = ("ensemble", "labels")
 
 
 class FusionSetTraining(FusionMethod):
-    """What knowledge distillation and the linear probe share: the optimisation options, the
-    ensemble teacher, the fit and the before/after report (:meth:`_fuse`). A subclass says what
-    learns (:meth:`_learner`) and the cross-entropy share of its loss (:meth:`_ce_share`)."""
+    """What knowledge distillation and the linear probe share: the optimisation options (with
+    their defaults; a subclass forwards them as ``**inherited``), the ensemble teacher, the fit
+    and the before/after report (:meth:`_fuse`). A subclass says what learns (:meth:`_learner`)
+    and the cross-entropy share of its loss (:meth:`_ce_share`)."""
 
     kind = KIND
     requires = frozenset({"data"})
@@ -73,18 +74,18 @@ class FusionSetTraining(FusionMethod):
     def __init__(
         self,
         *,
-        temperature: float,
-        ce_weight: float,
-        epochs: int,
-        lr: float,
-        batch_size: int,
-        weight_decay: float,
-        optimizer: str,
-        val_split: float,
-        patience: int,
-        seed: int,
-        device: str,
-        progress: bool,
+        temperature: float = 4.0,
+        ce_weight: float = 0.0,
+        epochs: int = 100,
+        lr: float = 1e-3,
+        batch_size: int = 32,
+        weight_decay: float = 1e-4,
+        optimizer: str = "adamw",
+        val_split: float = 0.1,
+        patience: int = 10,
+        seed: int = 0,
+        device: str = "auto",
+        progress: bool = False,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -232,36 +233,11 @@ class KnowledgeDistillation(FusionSetTraining):
     def __init__(
         self,
         student_init: str = "first",
-        *,
-        temperature: float = 4.0,
-        ce_weight: float = 0.0,
-        epochs: int = 100,
-        lr: float = 1e-3,
-        batch_size: int = 32,
-        weight_decay: float = 1e-4,
-        optimizer: str = "adamw",
-        val_split: float = 0.1,
-        patience: int = 10,
-        seed: int = 0,
-        device: str = "auto",
-        progress: bool = False,
+        **inherited: Any,
     ) -> None:
         if student_init not in STUDENT_INITS:
             raise ValueError(f"student_init must be one of {STUDENT_INITS}, got {student_init!r}")
-        super().__init__(
-            temperature=temperature,
-            ce_weight=ce_weight,
-            epochs=epochs,
-            lr=lr,
-            batch_size=batch_size,
-            weight_decay=weight_decay,
-            optimizer=optimizer,
-            val_split=val_split,
-            patience=patience,
-            seed=seed,
-            device=device,
-            progress=progress,
-        )
+        super().__init__(**inherited)
         self.student_init = student_init
 
     def check_target(self, spec: ModelSpec, target: ModelSpec) -> None:
@@ -320,35 +296,11 @@ class LinearProbe(FusionSetTraining):
         target: str = "ensemble",
         *,
         body: int = 0,
-        temperature: float = 4.0,
-        ce_weight: float = 0.0,
-        epochs: int = 100,
-        lr: float = 1e-3,
-        batch_size: int = 32,
-        weight_decay: float = 1e-4,
-        optimizer: str = "adamw",
-        val_split: float = 0.1,
-        patience: int = 10,
-        seed: int = 0,
-        device: str = "auto",
-        progress: bool = False,
+        **inherited: Any,
     ) -> None:
         if target not in PROBE_TARGETS:
             raise ValueError(f"target must be one of {PROBE_TARGETS}, got {target!r}")
-        super().__init__(
-            temperature=temperature,
-            ce_weight=ce_weight,
-            epochs=epochs,
-            lr=lr,
-            batch_size=batch_size,
-            weight_decay=weight_decay,
-            optimizer=optimizer,
-            val_split=val_split,
-            patience=patience,
-            seed=seed,
-            device=device,
-            progress=progress,
-        )
+        super().__init__(**inherited)
         self.target = target
         self.body = body
 
