@@ -131,26 +131,23 @@ def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bo
     scores = _scores(content, model, source)
     if scores is None and require_scores:
         raise ContributionError(f"{source}: sent no importance scores, and the strategy needs them")
-    num_examples, counts = _site_size(
+    site_size = _site_size(
         metrics.get("num-examples"), site.get("class-counts"), spec.num_classes, source
     )
-    partition_id, num_partitions = validate_partition(
+    partition = validate_partition(
         site.get("partition-id"), site.get("num-partitions"), source=source
     )
-    train_loss = metrics.get("train-loss", float("nan"))
-    return ClientUpload(
-        model=model,
-        scores=scores or {},
-        num_examples=num_examples,
-        class_counts=counts,
-        partition_id=partition_id,
-        num_partitions=num_partitions,
+    return _upload(
+        model,
+        scores,
+        site_size,
+        partition,
+        metrics.get("train-loss"),
         score_method=str(site.get("score-method", ""))[:64],
         init=str(site.get("init", ""))[:64],
         grams=_grams(content, model, source),
         fisher=_fisher(content, model, source),
         class_gaussians=_class_gaussians(content, model.spec, source),
-        train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
         seconds=_seconds(metrics),
         site_name=sender_name(msg),
         ray_node=_PRINTABLE.sub("?", str(site.get("ray-node", "")))[:64],
@@ -210,23 +207,45 @@ def decode_plain_reply(
             raise ContributionError(
                 f"{source}: sent no {name}, which the server asked for: {EXTRAS_HINT}"
             )
-    num_examples, counts = _site_size(
+    site_size = _site_size(
         metrics["num-examples"], extras.get("class-counts"), adapter.spec.num_classes, source
     )
     loss = next((metrics[k] for k in ("train-loss", "train_loss", "loss") if k in metrics), None)
-    return ClientUpload(
-        model=model,
-        scores=scores or {},
-        num_examples=num_examples,
-        class_counts=counts,
-        partition_id=partition_id,
-        num_partitions=num_partitions,
+    return _upload(
+        model,
+        scores,
+        site_size,
+        (partition_id, num_partitions),
+        loss,
         score_method=str(extras.get(SCORE_METHOD_KEY, ""))[:64],
         init="",
         grams=grams,
         fisher=fisher,
-        train_loss=float(loss) if isinstance(loss, int | float) else float("nan"),
         seconds=_seconds(extras),
+    )
+
+
+def _upload(
+    model: Any,
+    scores: Any,
+    site_size: tuple[int, list[int] | None],
+    partition: tuple[int, int],
+    train_loss: Any,
+    **reported: Any,
+) -> ClientUpload:
+    """The upload a decoded reply describes: no ``scores`` read as empty ones, a ``train_loss``
+    that is not a number as NaN; ``reported``: the other fields the reply filled."""
+    num_examples, class_counts = site_size
+    partition_id, num_partitions = partition
+    return ClientUpload(
+        model=model,
+        scores=scores or {},
+        num_examples=num_examples,
+        class_counts=class_counts,
+        partition_id=partition_id,
+        num_partitions=num_partitions,
+        train_loss=float(train_loss) if isinstance(train_loss, int | float) else float("nan"),
+        **reported,
     )
 
 
