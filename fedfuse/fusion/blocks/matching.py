@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from fedfuse.models.affine import output_rows
 
@@ -50,6 +49,10 @@ def linear_assignment(cost: torch.Tensor, *, maximize: bool = False) -> torch.Te
         raise ValueError(
             f"linear_assignment needs an (n, m) matrix with n <= m, got {tuple(cost.shape)}"
         )
+    # imported here: scipy.optimize costs half a second at the start of every process that never
+    # matches (each Flower ClientApp, every CLI command)
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(cost.detach().cpu().numpy(), maximize=maximize)
     assigned = torch.empty(cost.shape[0], dtype=torch.long)
     assigned[torch.as_tensor(rows, dtype=torch.long)] = torch.as_tensor(cols, dtype=torch.long)

@@ -27,7 +27,6 @@ import logging
 import warnings
 
 import numpy as np
-import ot
 import torch
 
 log = logging.getLogger(__name__)
@@ -64,6 +63,10 @@ def transport_plan(
     """
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    # imported here: POT pulls in scikit-learn, over a second at every start of a process that
+    # never transports (each Flower ClientApp, every CLI command)
+    import ot
+
     c = cost.detach().double().cpu().numpy()
     n, m = c.shape
     mu = _marginal(a, n)
