@@ -81,7 +81,14 @@ def _simulate(
         for pid in leftover:  # never leak a SuperLink, even if the CLI was killed
             os.kill(pid, 9)
     assert not leftover, "fedfuse simulate left its local SuperLink running"
-    stray = [p.info["pid"] for p in psutil.process_iter(["pid", "environ"]) if _ours(p, env)]
+    # Ray's last workers may still be exiting when the command returns: wait for them, bounded
+    deadline = time.monotonic() + patience(30)
+    while stray := [
+        p.info["pid"] for p in psutil.process_iter(["pid", "environ"]) if _ours(p, env)
+    ]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert not stray, f"fedfuse simulate left processes of its run behind: {stray}"
     return completed, out, control_port
 

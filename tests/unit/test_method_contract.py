@@ -36,6 +36,7 @@ SPEC = mlp_spec((1, 4, 4), 3, (6, 5))
 NAMES = sorted(FUSION_METHODS)
 #: options that keep the methods which train short (others run with their defaults)
 FAST = {
+    "dense": {"epochs": 2},
     "kd": {"epochs": 2},
     "linear-probe": {"epochs": 2},
     "fs-merge": {"epochs": 3},
