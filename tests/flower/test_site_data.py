@@ -5,7 +5,7 @@ import pytest
 import torch
 from flwr.app import Context, RecordDict
 
-from fedfuse.clients.client_app import site_identity
+from fedfuse.clients.site_context import site_identity
 from fedfuse.data import DataFormatError, load_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, train_site

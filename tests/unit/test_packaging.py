@@ -42,3 +42,17 @@ def test_wheel_has_only_fedfuse_at_the_top_level(tmp_path):
     assert "fedfuse/configs/compare.yaml" in names
     assert "fedfuse/configs/method/kf-linear.yaml" in names
     assert "fedfuse/configs/experiment/fmnist-mlp.yaml" in names
+
+
+def test_the_client_app_loads_without_pytorch():
+    """A SuperNode starts a ClientApp process per message; the SecAgg+ stages that only
+    exchange keys must not pay for PyTorch (the handlers import it with their first message)."""
+    probe = (
+        "import sys; from fedfuse.clients.client_app import app; "
+        "from fedfuse.clients.secure import secure_sums_mod; "
+        "print(sorted(m for m in ('torch', 'fedfuse.federation.site') if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    assert loaded == "[]"
