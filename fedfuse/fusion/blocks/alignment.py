@@ -33,6 +33,16 @@ def affine_levels(model: LeveledModel) -> dict[int, AffineLevel]:
     return views
 
 
+def has_affine_levels(model: LeveledModel) -> bool:
+    """Whether every neuron level of ``model`` is affine (:func:`affine_levels` accepts it): the
+    level path of the aligning methods and FS-Merge's level-wise SuperNet apply."""
+    try:
+        affine_levels(model)
+    except ValueError:
+        return False
+    return True
+
+
 def incoming_by_channel(view: AffineLevel, channels: int) -> torch.Tensor:
     """The layer's weight as ``(out, channels, rest)``: incoming weights by input channel."""
     weight = view.layer.weight.detach()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
-from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.fusion.blocks.alignment import has_affine_levels
 from fedfuse.fusion.blocks.batchnorm import has_batchnorm, reset_batchnorm_statistics
 from fedfuse.fusion.blocks.repair import repair as repair_model
 from fedfuse.fusion.blocks.space_alignment import check_feature_spaces
@@ -28,15 +28,6 @@ from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.capture import LevelIO, capture_levels
 from fedfuse.models.importance import SCORE_METHODS, Scores
 from fedfuse.runtime import resolve_device
-
-
-def has_affine_levels(model: LeveledModel) -> bool:
-    """Whether every neuron level of ``model`` is affine (the level path applies)."""
-    try:
-        affine_levels(model)
-    except ValueError:
-        return False
-    return True
 
 
 class AlignedAverage(FusionMethod):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
-from fedfuse.fusion.blocks.alignment import affine_levels
+from fedfuse.fusion.blocks.alignment import has_affine_levels
 from fedfuse.fusion.inputs import check_levels
 from fedfuse.fusion.methods.trained.fs_merge.folding import HEADS, fold_levels
 from fedfuse.fusion.methods.trained.fs_merge.initialisation import INITS, initial_merge
@@ -50,15 +50,6 @@ from fedfuse.runtime import resolve_device
 from fedfuse.training.loop import OPTIMIZERS, SCHEDULERS, holdout_split
 
 log = logging.getLogger(__name__)
-
-
-def _is_affine(model: LeveledModel) -> bool:
-    """Whether every neuron level is affine (the level-wise SuperNet of MLPs and VGGs)."""
-    try:
-        affine_levels(model)
-    except ValueError:
-        return False
-    return True
 
 
 @register_fusion_method
@@ -218,7 +209,7 @@ class FSMerge(FusionMethod):
         """Affine levels (MLP, VGG): the level-wise SuperNet; else the feature-space SuperNet of
         :mod:`fedfuse.fusion.methods.trained.fs_merge.spaces` (ViT; global objective only; no
         BatchNorm)."""
-        if _is_affine(model):
+        if has_affine_levels(model):
             return
         check_supported(model)
         if self.objective != "global":
@@ -231,7 +222,7 @@ class FSMerge(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        if not _is_affine(models[0]):
+        if not has_affine_levels(models[0]):
             return self._fuse_spaces(models, inputs)
         started = time.perf_counter()
         check_levels(self.name, models)  # a ValueError naming the model and level not affine
