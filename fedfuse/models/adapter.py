@@ -38,38 +38,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from fedfuse.models.affine import affine_view
+from fedfuse.models.channel_ops import (
+    ACTIVATION_FUNCTIONS,
+    CHANNELWISE_FUNCTIONS,
+    CHANNELWISE_MODULES,
+    FLATTENS,
+)
+from fedfuse.models.graph_adapter import GraphPlan
+from fedfuse.models.graph_levels import trace
 from fedfuse.models.leveled import LeveledModel
 from fedfuse.models.registry import register_architecture
 from fedfuse.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-#: parameter-free modules that act on every channel alike (kept, one instance per use)
-CHANNELWISE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Softplus,
-    nn.Hardtanh, nn.Mish, nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d,
-    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
-    nn.Identity,
-)  # fmt: skip
-#: functional activations turned into modules (DeepLIFT sees module nonlinearities only)
-ACTIVATION_FUNCTIONS: dict[Any, type[nn.Module]] = {
-    F.relu: nn.ReLU, torch.relu: nn.ReLU, "relu": nn.ReLU,
-    torch.sigmoid: nn.Sigmoid, F.sigmoid: nn.Sigmoid, "sigmoid": nn.Sigmoid,
-    torch.tanh: nn.Tanh, F.tanh: nn.Tanh, "tanh": nn.Tanh,
-    F.gelu: nn.GELU, F.silu: nn.SiLU, F.elu: nn.ELU, F.relu6: nn.ReLU6,
-}  # fmt: skip
-#: other channel-wise functions, applied as they are written (with their arguments)
-CHANNELWISE_FUNCTIONS = frozenset(
-    {F.leaky_relu, F.max_pool1d, F.max_pool2d, F.avg_pool1d, F.avg_pool2d,
-     F.adaptive_avg_pool2d, F.adaptive_max_pool2d, F.dropout, F.dropout1d, F.dropout2d}
-)  # fmt: skip
-#: reshapes allowed as the flatten of ``(N, C, ...)`` into ``(N, C*...)`` before a Linear
-FLATTENS = frozenset({torch.flatten, "flatten", "view", "reshape"})
 
 
 class _Call(nn.Module):
@@ -141,7 +125,15 @@ class ModelAdapter:
         cls = type(template)
         self.name = name or f"{cls.__module__}.{cls.__qualname__}"
         self.model_class = cls
-        steps = _trace_chain(template, self.input_shape, self.name)
+        graph_module = trace(template, self.input_shape, self.name)
+        self._graph: GraphPlan | None = None
+        try:
+            steps = _trace_chain(graph_module, template, self.name)
+        except _NotAChain:
+            self._graph = GraphPlan(graph_module, template, self.name, self.input_shape)
+            self._levels: list[list[_Step]] = []
+            self.spec, self._names = self._graph.spec, self._graph.names
+            return
         self._levels = _cut_levels(steps)
         widths = [template.get_submodule(s.path).weight.shape[0] for s in steps if s.affine]
         self.spec = ModelSpec(self.name, self.input_shape, int(widths[-1]), tuple(widths[:-1]))
@@ -169,6 +161,8 @@ class ModelAdapter:
                 f"{self.name}: got a {type(model).__name__}, the adapter traced a "
                 f"{self.model_class.__name__}"
             )
+        if self._graph is not None:
+            return self._graph.adapt(model).train(model.training)
         levels = []
         for steps in self._levels:
             modules = [
@@ -183,7 +177,8 @@ class ModelAdapter:
 
     def user_names(self) -> dict[str, str]:
         """The leveled model's state-dict keys mapped to the user's (``levels.3.weight`` ->
-        ``conv2.weight``): the only state an adapted model has is its affine layers'."""
+        ``conv2.weight``): a chain's only state is its affine layers'; a graph level holds the
+        user's tensors under their own keys (``levels.5.layer1.0.bn1.running_mean``)."""
         return dict(self._names)
 
     def _user_names(self, template: nn.Module) -> dict[str, str]:
@@ -210,7 +205,10 @@ class ModelAdapter:
         extra = sorted(set(state) - set(self._names))
         if extra:
             raise ValueError(f"{self.name}: state entries without a user name: {extra}")
-        target.load_state_dict({self._names[key]: value for key, value in state.items()})
+        mapped = {self._names[key]: value for key, value in state.items()}
+        if self._graph is not None:  # modules the forward pass never calls keep their values
+            mapped = {**target.state_dict(), **mapped}
+        target.load_state_dict(mapped)
         return target.train(model.training)
 
     def register(self) -> ModelAdapter:
@@ -229,23 +227,13 @@ class ModelAdapter:
         return self.adapt(self.factory())
 
 
-def _trace_chain(template: nn.Module, input_shape: tuple[int, ...], name: str) -> list[_Step]:
-    """The traced graph of ``template`` as a chain of steps; refuses any other graph."""
-    try:
-        graph_module = fx.symbolic_trace(template)
-    except Exception as error:  # torch.fx raises many kinds for untraceable code
-        raise ValueError(
-            f"{name}: torch.fx cannot trace the forward pass ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); fedfuse adapts models whose "
-            "forward has no control flow on tensor values"
-        ) from None
-    example = torch.zeros(2, *input_shape)
-    try:
-        ShapeProp(graph_module).propagate(example)
-    except Exception as error:
-        raise ValueError(
-            f"{name}: the model does not run on inputs of shape {list(input_shape)}: {error}"
-        ) from None
+class _NotAChain(ValueError):
+    """The graph is no chain of levels the chain adapter keeps (the graph adapter takes it)."""
+
+
+def _trace_chain(graph_module: fx.GraphModule, template: nn.Module, name: str) -> list[_Step]:
+    """The traced graph of ``template`` as a chain of steps; refuses a model fedfuse cannot
+    fuse at all, and raises :class:`_NotAChain` for any other graph than a chain."""
     nodes = list(graph_module.graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if len(inputs) != 1:
@@ -272,14 +260,14 @@ def _trace_chain(template: nn.Module, input_shape: tuple[int, ...], name: str) -
         where = f"{name}: node {node.name!r} ({_describe(node)})"
         if len(previous.users) != 1:
             users = ", ".join(sorted(u.name for u in previous.users))
-            raise ValueError(
+            raise _NotAChain(
                 f"{name}: the output of {previous.name!r} feeds {len(previous.users)} "
                 f"operations ({users}): a branch (e.g. a residual connection); fedfuse adapts "
                 "chains of layers (use its 'resnet' or 'vit' architectures for residual models)"
             )
         tensor_inputs = node.all_input_nodes
         if tensor_inputs != [previous]:
-            raise ValueError(f"{where} combines several tensors (a branch); fedfuse adapts chains")
+            raise _NotAChain(f"{where} combines several tensors (a branch); fedfuse adapts chains")
         if node.op == "output":
             break
         steps.append(_step(template, node, previous, where))
@@ -296,13 +284,13 @@ def _step(template: nn.Module, node: fx.Node, previous: fx.Node, where: str) -> 
         module = template.get_submodule(node.target)
         if isinstance(module, nn.Linear | nn.Conv2d):
             if affine_view(module) is None:
-                raise ValueError(
+                raise _NotAChain(
                     f"{where}: a {type(module).__name__} with groups or non-zero padding mode "
                     "is not an affine level fedfuse can fit"
                 )
             return _Step(node.name, path=str(node.target), affine=True)
         if any(True for _ in module.parameters()):
-            raise ValueError(
+            raise _NotAChain(
                 f"{where}: {type(module).__name__} layers have parameters fedfuse cannot align in "
                 "a plain model (only Linear and Conv2d); fold normalisation into the preceding "
                 "layer, or use fedfuse's own architectures"
@@ -311,7 +299,7 @@ def _step(template: nn.Module, node: fx.Node, previous: fx.Node, where: str) -> 
             return _Step(node.name, module=_Flatten(), flattens=_is_flatten(node, previous, where))
         if isinstance(module, CHANNELWISE_MODULES):
             return _Step(node.name, path=str(node.target))
-        raise ValueError(f"{where}: {type(module).__name__} is not known to preserve channels")
+        raise _NotAChain(f"{where}: {type(module).__name__} is not known to preserve channels")
     if node.op in ("call_function", "call_method"):
         target = node.target
         plain = set(node.kwargs) <= {"inplace"} and len(node.args) == 1
@@ -325,8 +313,8 @@ def _step(template: nn.Module, node: fx.Node, previous: fx.Node, where: str) -> 
             call = _Call(node.op, target, args, position, dict(node.kwargs))
             return _Step(node.name, module=call)
     if node.op == "get_attr":
-        raise ValueError(f"{where}: reads a tensor attribute directly; fedfuse adapts layers")
-    raise ValueError(
+        raise _NotAChain(f"{where}: reads a tensor attribute directly; fedfuse adapts layers")
+    raise _NotAChain(
         f"{where}: not an operation fedfuse can align neurons through (known: Linear, Conv2d, "
         "elementwise activations, pooling, dropout, and a flatten before a Linear)"
     )
@@ -342,7 +330,7 @@ def _is_flatten(node: fx.Node, previous: fx.Node, where: str) -> bool:
         or shape_out[0] != shape_in[:1][0]
         or shape_out[1] != math.prod(shape_in[1:])
     ):
-        raise ValueError(
+        raise _NotAChain(
             f"{where}: reshapes {list(shape_in)} into {list(shape_out)}; fedfuse aligns through "
             "a flatten of every feature of a sample only"
         )

@@ -264,7 +264,10 @@ def capture_modules(
         inputs: a batch ``(N, ...)`` in the model's input format.
         probes: ``(module name, channel dim)`` pairs, as in
             :attr:`fedfuse.models.symmetry.FeatureSpace.probes`: the output of the module named
-            (as in ``model.named_modules()``) holds the features along ``channel dim``.
+            (as in ``model.named_modules()``) holds the features along ``channel dim``. A name
+            ``"<module>#in_proj:<input>:<start>:<stop>"`` reads rows ``start:stop`` of an
+            ``nn.MultiheadAttention``'s packed projection of its positional input ``input``
+            (its queries, keys or values, which no submodule outputs).
         batch_size: samples per forward pass, to bound peak memory.
         device: where to compute (``"auto"``: CUDA when present).
         store_device: where the captured rows are kept.
@@ -279,7 +282,7 @@ def capture_modules(
     """
     wanted = list(dict.fromkeys((str(name), int(dim)) for name, dim in probes))
     modules = dict(model.named_modules())
-    missing = sorted({name for name, _ in wanted} - modules.keys())
+    missing = sorted({name.split("#")[0] for name, _ in wanted} - modules.keys())
     if missing:
         raise ValueError(f"the model has no modules named {missing}")
     chunks: dict[tuple[str, int], list[torch.Tensor]] = {probe: [] for probe in wanted}
@@ -288,11 +291,22 @@ def capture_modules(
         if pre_activation and isinstance(module, _ACTIVATIONS):
             output = args[0]
         for probe in wanted:
-            if probe[0] == name:
-                rows = output.detach().movedim(probe[1], -1)
+            if probe[0].split("#")[0] == name:
+                rows = _projected(module, args, probe[0]) if "#" in probe[0] else output
+                rows = rows.detach().movedim(probe[1], -1)
                 chunks[probe].append(rows.reshape(-1, rows.shape[-1]).to(store_device))
 
-    names = dict.fromkeys(name for name, _ in wanted)
+    names = dict.fromkeys(name.split("#")[0] for name, _ in wanted)
     with hooked({name: modules[name] for name in names}, record):
         run_batches(model, inputs, batch_size=batch_size, device=device)
     return {probe: torch.cat(rows) for probe, rows in chunks.items()}
+
+
+def _projected(module: torch.nn.Module, args: tuple, probe: str) -> torch.Tensor:
+    """The rows of a packed attention projection a ``#in_proj`` probe names."""
+    _, _, spec = probe.partition("#in_proj:")
+    position, start, stop = (int(part) for part in spec.split(":"))
+    weight, bias = module.in_proj_weight[start:stop], module.in_proj_bias
+    return torch.nn.functional.linear(
+        args[position], weight, bias[start:stop] if bias is not None else None
+    )

@@ -74,6 +74,9 @@ class LeveledModel(nn.Module):
     def level_name(self, index: int) -> str:
         """A short readable name for level ``index``, e.g. ``"2:Linear"``."""
         level = self.levels[index]
+        label = getattr(level, "label", None)  # a graph level: the user's module path
+        if label is not None:
+            return f"{index}:{label}"
         inner = [m for m in level.modules() if not isinstance(m, nn.Sequential)]
         kinds = [type(m).__name__ for m in inner if type(m).__name__ != "Flatten"]
         return f"{index}:{'+'.join(kinds) or type(level).__name__}"

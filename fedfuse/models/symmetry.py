@@ -40,12 +40,20 @@ from fedfuse.models.vit import Attention, EncoderBlock, PatchEmbedding
 @dataclass(frozen=True)
 class Axis:
     """Dim ``dim`` of state-dict tensor ``key``; each feature owns ``repeat`` consecutive entries
-    of it. ``produces``: the tensor computes or normalises the features (else it consumes them)."""
+    of it. ``produces``: the tensor computes or normalises the features (else it consumes them).
+    ``offset``: the space indexes only ``size * repeat`` entries of the dim from this one (a
+    slice: packed attention projections, the inputs after a ``cat``); None: the whole dim."""
 
     key: str
     dim: int
     produces: bool = True
     repeat: int = 1
+    offset: int | None = None
+
+    def span(self, size: int) -> tuple[int, int]:
+        """The entries ``[start, stop)`` of the dim that a space of ``size`` features indexes."""
+        start = self.offset or 0
+        return start, start + size * self.repeat
 
 
 @dataclass(frozen=True)
@@ -68,10 +76,17 @@ def feature_spaces(model: LeveledModel) -> list[FeatureSpace]:
 
     A model of another architecture whose neuron levels are all affine (a chain of Linear and
     Conv2d layers, e.g. an adapted plain ``nn.Module``) is described as the MLP and VGG are.
+    A model adapted from a plain module with branches or normalisation carries the spaces
+    derived from its graph (:mod:`fedfuse.models.graph_symmetry`), or the reason they cannot be.
     Raises ValueError for any other architecture whose symmetries are not described here.
     """
+    derived = getattr(model, "derived_spaces", None)
     describe = _DESCRIBERS.get(model.spec.arch)
-    if describe is None:
+    if derived is not None:
+        if isinstance(derived, Exception):
+            raise ValueError(str(derived))
+        describe = lambda _: list(derived)  # noqa: E731
+    elif describe is None:
         if not all(affine_view(model.levels[i]) is not None for i in model.neuron_levels):
             raise ValueError(
                 f"the neuron symmetries of {model.spec.arch!r} models are not described; known: "
@@ -102,15 +117,20 @@ def map_state(
     out = dict(state)
     for axis in space.axes:
         tensor = out[axis.key]
-        if tensor.shape[axis.dim] != space.size * axis.repeat:
+        start, stop = axis.span(space.size)
+        entries = tensor.shape[axis.dim]
+        if (entries != stop) if axis.offset is None else (stop > entries):
             raise ValueError(
-                f"{axis.key} has {tensor.shape[axis.dim]} entries on dim {axis.dim}, expected "
-                f"{space.size} features x {axis.repeat} of space {space.name}"
+                f"{axis.key} has {entries} entries on dim {axis.dim}, expected {space.size} "
+                f"features x {axis.repeat} of space {space.name} from entry {start}"
             )
         moved = tensor.movedim(axis.dim, 0)
-        blocks = moved.reshape(space.size, axis.repeat, *moved.shape[1:])
+        blocks = moved[start:stop].reshape(space.size, axis.repeat, *moved.shape[1:])
         mixed = torch.tensordot(matrix.to(tensor.dtype), blocks, dims=([1], [0]))
-        out[axis.key] = mixed.reshape(-1, *moved.shape[1:]).movedim(0, axis.dim).contiguous()
+        mixed = mixed.reshape(-1, *moved.shape[1:])
+        if axis.offset is not None:
+            mixed = torch.cat([moved[:start], mixed, moved[stop:]])
+        out[axis.key] = mixed.movedim(0, axis.dim).contiguous()
     return out
 
 
@@ -347,16 +367,21 @@ def _layernorm(prefix: str) -> tuple[Axis, ...]:
 
 
 def _check_disjoint(model: LeveledModel, spaces: list[FeatureSpace]) -> None:
-    """Each (key, dim) belongs to one space at most, and every key exists."""
+    """Each entry of a (key, dim) belongs to one space at most, and every key exists."""
     state = model.state_dict()
-    seen: dict[tuple[str, int], str] = {}
+    seen: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
     for space in spaces:
         for axis in space.axes:
             if axis.key not in state:
                 raise ValueError(f"space {space.name} names {axis.key}, which the model lacks")
-            owner = seen.setdefault((axis.key, axis.dim), space.name)
-            if owner != space.name:
-                raise ValueError(f"{axis.key} dim {axis.dim} is in spaces {owner} and {space.name}")
+            start, stop = axis.span(space.size)
+            taken = seen.setdefault((axis.key, axis.dim), [])
+            for first, last, owner in taken:
+                if start < last and first < stop and owner != space.name:
+                    raise ValueError(
+                        f"{axis.key} dim {axis.dim} is in spaces {owner} and {space.name}"
+                    )
+            taken.append((start, stop, space.name))
 
 
 _DESCRIBERS: dict[str, Callable[[LeveledModel], list[FeatureSpace]]] = {

@@ -129,16 +129,24 @@ class Transposed(nn.Module):
 @pytest.mark.parametrize(
     ("cls", "message"),
     [
-        (Residual, "feeds 2 operations"),
-        (WithBatchNorm, r"node 'norm' \(norm\): BatchNorm1d layers have parameters"),
         (Softmaxed, "comes after the classifier 'fc'"),
         (Branching, "torch.fx cannot trace"),
-        (Transposed, "node 'flip'"),
     ],
 )
 def test_a_graph_fedfuse_cannot_align_is_refused_naming_the_node(cls, message):
     with pytest.raises(ValueError, match=message):
         ModelAdapter(cls, (4,))
+
+
+def test_branches_and_norms_are_adapted_and_channel_mixing_is_refused_by_alignment_only():
+    """A residual add and a BatchNorm are graph levels with derived spaces (the add of the
+    input fixes fc1's outputs); a flip of the channels adapts, but has no feature spaces."""
+    assert feature_spaces(ModelAdapter(Residual, (4,)).adapt(Residual())) == []
+    norm = feature_spaces(ModelAdapter(WithBatchNorm, (4,)).adapt(WithBatchNorm()))
+    assert {axis.key for axis in norm[0].axes} >= {"levels.1.norm.running_var", "levels.0.fc1.bias"}
+    flipped = ModelAdapter(Transposed, (4,)).adapt(Transposed())
+    with pytest.raises(ValueError, match=r"node 'flip' \(flip\)"):
+        feature_spaces(flipped)
 
 
 def test_plain_models_are_refused_where_fusion_would_break_them():

@@ -1,0 +1,123 @@
+"""A traced model with branches cut into levels: each level a piece of the user's graph.
+
+A level must have a single output (:mod:`fedfuse.models.leveled`), so the graph is cut only
+after a node whose tensor is the only value still needed by what follows: a residual block, an
+attention block with its skip connection, or a ``cat`` of two branches stays inside one level.
+Each level is an ``fx.GraphModule`` over the nodes between two cuts that holds the user's own
+submodules and parameters under their own paths, so an adapted model shares the user's weights
+and a level's state-dict keys are the user's keys behind ``levels.<index>.``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+
+def trace(template: nn.Module, input_shape: tuple[int, ...], name: str) -> fx.GraphModule:
+    """``template`` traced by ``torch.fx``, each node's output shape recorded (``tensor_meta``)
+    from a batch of two zero inputs; a ValueError in one line where either fails."""
+    try:
+        graph_module = fx.symbolic_trace(template)
+    except Exception as error:  # torch.fx raises many kinds for untraceable code
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(
+            f"{name}: torch.fx cannot trace the forward pass ({type(error).__name__}: {first}); "
+            "fedfuse adapts models whose forward has no control flow on tensor values"
+        ) from None
+    training = template.training
+    try:
+        ShapeProp(graph_module.eval()).propagate(torch.zeros(2, *input_shape))
+    except Exception as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"{name}: the model does not run on inputs of shape {list(input_shape)}: {first}"
+        ) from None
+    finally:
+        graph_module.train(training)
+    return graph_module
+
+
+def output_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The shape of ``node``'s tensor output (None: not a tensor, e.g. a size or a tuple)."""
+    meta = node.meta.get("tensor_meta")
+    shape = getattr(meta, "shape", None)
+    return tuple(int(d) for d in shape) if shape is not None else None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The nodes of one level (in graph order) and the node whose tensor is its input."""
+
+    source: str
+    nodes: tuple[str, ...]
+    graph: fx.Graph
+    targets: tuple[str, ...]
+
+    def build(self, model: nn.Module, constants: fx.GraphModule) -> fx.GraphModule:
+        """The level over ``model``'s own submodules and parameters (shared, not copied);
+        tensor constants that tracing made live on the traced ``constants``."""
+        root: dict[str, object] = {}
+        for target in self.targets:
+            try:
+                root[target] = _attribute(model, target)
+            except AttributeError:
+                root[target] = _attribute(constants, target)
+        return fx.GraphModule(root, self.graph, class_name="GraphLevel")
+
+
+def cut_segments(graph_module: fx.GraphModule) -> list[Segment]:
+    """The graph's levels: cut after every node whose tensor is then the only live value."""
+    nodes = list(graph_module.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    position = {node: index for index, node in enumerate(body)}
+    end = len(body)
+    last_use = {
+        node: max((position.get(user, end) for user in node.users), default=-1)
+        for node in (*inputs, *body)
+    }
+    segments: list[Segment] = []
+    source, members = inputs[0], []
+    for index, node in enumerate(body):
+        members.append(node)
+        live = [n for n in (*inputs, *body[: index + 1]) if last_use[n] > index]
+        if live == [node] and output_shape(node) is not None:
+            segments.append(_segment(source, members))
+            source, members = node, []
+    if any(node.users for node in members):
+        raise ValueError(f"the graph's last values {[n.name for n in members]} are not one tensor")
+    return segments
+
+
+def _segment(source: fx.Node, members: list[fx.Node]) -> Segment:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {source: graph.placeholder("x")}
+    for node in members:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[members[-1]])
+    targets = tuple(
+        dict.fromkeys(str(n.target) for n in members if n.op in ("call_module", "get_attr"))
+    )
+    return Segment(source.name, tuple(n.name for n in members), graph, targets)
+
+
+def _attribute(root: nn.Module, path: str) -> object:
+    value: object = root
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def describe(node: fx.Node, root: nn.Module | None = None) -> str:
+    """The operation of ``node`` in a few words: a module's class, a function's name."""
+    if node.op == "call_module" and root is not None:
+        return type(root.get_submodule(str(node.target))).__name__
+    target = node.target
+    if target is operator.add:
+        return "add"
+    return getattr(target, "__name__", None) or str(target)
