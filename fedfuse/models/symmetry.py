@@ -134,6 +134,28 @@ def map_state(
     return out
 
 
+def _permute_state(
+    state: Mapping[str, torch.Tensor], space: FeatureSpace, permutation: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """:func:`map_state` with a permutation's matrix, by indexing (exact, and linear in size)."""
+    if permutation.shape != (space.size,):
+        raise ValueError(f"space {space.name} has {space.size} features, got {permutation.shape}")
+    out = dict(state)
+    for axis in space.axes:
+        tensor = out[axis.key]
+        start, stop = axis.span(space.size)
+        entries = tensor.shape[axis.dim]
+        if (entries != stop) if axis.offset is None else (stop > entries):
+            raise ValueError(
+                f"{axis.key} has {entries} entries on dim {axis.dim}, expected {space.size} "
+                f"features x {axis.repeat} of space {space.name} from entry {start}"
+            )
+        block = (permutation[:, None] * axis.repeat + torch.arange(axis.repeat)).flatten()
+        index = torch.cat([torch.arange(start), block + start, torch.arange(stop, entries)])
+        out[axis.key] = tensor.index_select(axis.dim, index.to(tensor.device))
+    return out
+
+
 def permutation_matrix(permutation: torch.Tensor) -> torch.Tensor:
     """The matrix with ``new feature i = old feature permutation[i]``."""
     return torch.eye(len(permutation), dtype=torch.float64)[permutation.cpu()]
@@ -148,7 +170,7 @@ def permute_model(model: LeveledModel, permutations: Mapping[str, torch.Tensor])
         raise ValueError(f"unknown feature spaces {unknown}; the model has {sorted(spaces)}")
     state = model.state_dict()
     for name, permutation in permutations.items():
-        state = map_state(state, spaces[name], permutation_matrix(permutation))
+        state = _permute_state(state, spaces[name], permutation.cpu())
     copy = deepcopy(model)
     copy.load_state_dict(state)
     return copy
