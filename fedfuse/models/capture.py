@@ -101,10 +101,15 @@ def run_batches(
     *,
     batch_size: int = 1024,
     device: str | torch.device = "auto",
+    training: Iterable[torch.nn.Module] = (),
 ) -> None:
     """Run ``model`` on ``inputs``, ``batch_size`` samples at a time, without gradients, in eval
-    mode on ``device`` (:func:`evaluating`); what it computes is read by :func:`hooked` hooks."""
+    mode on ``device`` (:func:`evaluating`) but for the submodules ``training``, which run in
+    train mode (BatchNorm layers that re-estimate their running statistics); what it computes is
+    read by :func:`hooked` hooks, or kept in those modules' buffers."""
     with evaluating(model, device) as compute:
+        for module in training:
+            module.train()
         for start in range(0, len(inputs), batch_size):
             model(inputs[start : start + batch_size].to(compute))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedfuse.models.capture import evaluating, hooked, run_batches
+from fedfuse.models.capture import hooked, run_batches
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
@@ -82,7 +82,6 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
     return any(isinstance(m, _NORMS) and m.track_running_stats for m in model.modules())
 
 
-@torch.no_grad()
 def reset_batchnorm_statistics(
     model: torch.nn.Module,
     data: torch.Tensor,
@@ -107,15 +106,13 @@ def reset_batchnorm_statistics(
     if len(data) == 0:
         raise ValueError("cannot reset BatchNorm statistics on an empty fusion set")
     momenta = [m.momentum for m in norms]
-    with evaluating(model, device) as compute:
-        try:
-            for norm in norms:
-                norm.reset_running_stats()
-                norm.momentum = None
-                norm.train()  # BatchNorm alone in train mode: it accumulates the statistics
-            for start in range(0, len(data), batch_size):
-                model(data[start : start + batch_size].to(compute))
-        finally:
-            for norm, momentum in zip(norms, momenta, strict=True):
-                norm.momentum = momentum
+    try:
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None
+        # BatchNorm alone in train mode: it accumulates the statistics
+        run_batches(model, data, batch_size=batch_size, device=device, training=norms)
+    finally:
+        for norm, momentum in zip(norms, momenta, strict=True):
+            norm.momentum = momentum
     return model
