@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from fedfuse.data.augmentation import random_crop_flip
 from fedfuse.models.capture import predict
 from fedfuse.runtime import resolve_device, row_major
-from fedfuse.training.loop import OPTIMIZERS, make_optimizer, make_scheduler
+from fedfuse.training.loop import check_optimizer, make_optimizer, make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +187,7 @@ def _check(
         raise ValueError(f"fine-tuning needs lr > 0 and 0 <= min_lr <= lr, got {lr}, {min_lr}")
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    check_optimizer(optimizer)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if len(data) == 0 or labels.ndim != 1 or len(labels) != len(data):

@@ -70,6 +70,13 @@ def make_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 
+def check_optimizer(name: str) -> None:
+    """Raise ValueError, naming the choices, unless ``name`` is one of :data:`OPTIMIZERS` (the
+    one check of every option that picks an optimizer)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
+
+
 def lr_factor(
     name: str,
     step: int,
@@ -147,8 +154,7 @@ class TrainConfig:
     augment: bool = False
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
         if self.epochs < 0 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"invalid training config {asdict(self)}")
 

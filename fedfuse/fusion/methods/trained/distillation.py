@@ -51,7 +51,7 @@ from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.capture import predict
 from fedfuse.runtime import resolve_device
-from fedfuse.training.loop import OPTIMIZERS
+from fedfuse.training.loop import check_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,7 @@ class FusionSetTraining(FusionMethod):
         device: str = "auto",
         progress: bool = False,
     ) -> None:
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        check_optimizer(optimizer)
         if lr <= 0 or weight_decay < 0 or epochs < 0 or batch_size < 1:
             raise ValueError(
                 f"need lr > 0, weight_decay >= 0, epochs >= 0, batch_size >= 1; got "

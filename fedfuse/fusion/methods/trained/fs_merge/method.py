@@ -47,7 +47,7 @@ from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.symmetry import feature_spaces
 from fedfuse.runtime import resolve_device
-from fedfuse.training.loop import OPTIMIZERS, SCHEDULERS, holdout_split
+from fedfuse.training.loop import SCHEDULERS, check_optimizer, holdout_split
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,8 @@ class FSMerge(FusionMethod):
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
         if recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-        if optimizer is not None and optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if optimizer is not None:
+            check_optimizer(optimizer)
         bad_momentum = momentum is not None and not 0 <= momentum < 1
         if (lr is not None and lr <= 0) or weight_decay < 0 or bad_momentum:
             raise ValueError(f"invalid lr={lr}, weight_decay={weight_decay}, momentum={momentum}")
