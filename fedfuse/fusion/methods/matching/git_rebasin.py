@@ -104,8 +104,8 @@ from fedfuse.fusion.blocks.space_alignment import (
 from fedfuse.fusion.inputs import averaging_candidates, check_levels
 from fedfuse.fusion.methods.matching.aligned_average import AlignedAverage
 from fedfuse.fusion.methods.matching.git_rebasin_matching import (
-    MATCHING_COSTS,
     MergeMany,
+    check_cost,
     cost_matrix,
 )
 from fedfuse.fusion.registry import register_fusion_method
@@ -164,8 +164,7 @@ class GitReBasin(AlignedAverage):
         seed: int = 0,
         **inherited: Any,
     ) -> None:
-        if cost not in MATCHING_COSTS:
-            raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+        check_cost(cost)
         super().__init__(**inherited)
         self.cost = cost
         self.match_rounds = match_rounds

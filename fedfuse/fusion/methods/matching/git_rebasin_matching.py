@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 MATCHING_COSTS = ("correlation", "l2")
 
 
+def check_cost(cost: str) -> None:
+    """Raise ValueError, naming the choices, unless ``cost`` is one of :data:`MATCHING_COSTS`."""
+    if cost not in MATCHING_COSTS:
+        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+
+
 def match_neurons(
     a: torch.Tensor, b: torch.Tensor, cost: str = "correlation", batch_size: int = 256
 ) -> tuple[torch.Tensor, float]:
@@ -57,8 +63,7 @@ def cost_matrix(
 ) -> torch.Tensor:
     """``(n, n)`` float64 cost between ``a``'s and ``b``'s neurons: minus the correlation, or the
     squared distance divided by the rows (arguments as :func:`match_neurons`)."""
-    if cost not in MATCHING_COSTS:
-        raise ValueError(f"cost must be one of {MATCHING_COSTS}, got {cost!r}")
+    check_cost(cost)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"cannot permute {b.shape[1]} neurons onto {a.shape[1]}")
     if cost == "correlation":
