@@ -66,7 +66,6 @@ from fedfuse.fusion.blocks.space_alignment import check_feature_spaces
 from fedfuse.fusion.methods.regression.regmean_sums import (
     GramTermsRequest,
     level_mechanisms,
-    site_norms,
     site_terms,
     summed_terms,
 )
@@ -228,8 +227,9 @@ class RegMean(FusionMethod):
     def site_norms(
         self, model: LeveledModel, grams: dict[int, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Step 1 of a secure sum of :meth:`site_terms`: :func:`~.regmean_sums.site_norms`."""
-        return site_norms(model, grams, self.fit_bias, self.name)
+        """Step 1 of a secure sum of :meth:`site_terms`: :func:`~.regmean_sums.site_terms`'s
+        norms."""
+        return site_terms(model, grams, self.fit_bias, self.name, norms=True)
 
     def _summed_terms(
         self, models: list[LeveledModel], inputs: FusionInputs, details: dict[str, Any]

@@ -3,11 +3,11 @@
 RegMean needs only ``sum_k G~_k`` and ``sum_k G~_k W_k`` per system (:mod:`.regmean_systems`),
 which follow for any ``alpha`` from each site's terms ``G``, ``G W`` and ``diag(G) W``
 (:func:`site_terms`). A site computes them on its own Grams when asked by a
-:class:`GramTermsRequest`; a secure channel (SecAgg+) sums them in fixed point, whose units come
-from a first secure round of the terms' norms (:func:`site_norms`, :func:`norm_units`) and then
-the summed norms (:func:`term_units`), so that no site's own terms reach the server
-(:mod:`fedfuse.fusion.statistics.summed_terms`). With ``dp_epsilon`` each site noises its Gram of
-every affine level first (:func:`level_mechanisms`).
+:class:`GramTermsRequest`; a secure channel (SecAgg+) sums them in fixed point, whose units
+come from a first secure round of the terms' norms (:func:`site_terms` with ``norms``,
+:func:`norm_units`) and then the summed norms (:func:`term_units`), so that no site's own terms
+reach the server (:mod:`fedfuse.fusion.statistics.summed_terms`). With ``dp_epsilon`` each site
+noises its Gram of every affine level first (:func:`level_mechanisms`).
 """
 
 from __future__ import annotations
@@ -57,38 +57,32 @@ def site_terms(
     grams: dict[int, torch.Tensor],
     fit_bias: bool | str = "auto",
     method: str = _METHOD,
+    *,
+    norms: bool = False,
 ) -> dict[str, torch.Tensor]:
     """What one site adds to the sums RegMean solves from, per system: ``G``
     (``<system>/gram``), ``G W`` (``/rhs``) and ``diag(G) W`` (``/diag_rhs``), from which
-    ``sum G~`` and ``sum G~ W`` follow for any ``alpha``."""
+    ``sum G~`` and ``sum G~ W`` follow for any ``alpha``. With ``norms``, step 1 of their secure
+    sum (:mod:`fedfuse.fusion.statistics.summed_terms`) instead: per system, the norms of the
+    design columns (roots of ``G``'s diagonal) and of the outputs ``X W`` (roots of
+    ``diag(W^T G W)``)."""
     terms = {}
     for name, gram, weights in _site_parts(model, grams, fit_bias, method):
-        terms[f"{name}/gram"] = gram
-        terms[f"{name}/rhs"] = gram @ weights
-        terms[f"{name}/diag_rhs"] = gram.diagonal()[:, None] * weights
+        rhs = gram @ weights
+        if norms:
+            terms[f"{name}/gram"] = gram.diagonal().clamp_min(0).sqrt()
+            terms[f"{name}/rhs"] = (rhs * weights).sum(0).clamp_min(0).sqrt()
+        else:
+            terms[f"{name}/gram"] = gram
+            terms[f"{name}/rhs"] = rhs
+            terms[f"{name}/diag_rhs"] = gram.diagonal()[:, None] * weights
     return terms
-
-
-def site_norms(
-    model: LeveledModel,
-    grams: dict[int, torch.Tensor],
-    fit_bias: bool | str = "auto",
-    method: str = _METHOD,
-) -> dict[str, torch.Tensor]:
-    """Step 1 of a secure sum of :func:`site_terms`
-    (:mod:`fedfuse.fusion.statistics.summed_terms`): per system, the norms of the design columns
-    (roots of ``G``'s diagonal) and of the outputs ``X W`` (roots of ``diag(W^T G W)``)."""
-    norms = {}
-    for name, gram, weights in _site_parts(model, grams, fit_bias, method):
-        norms[f"{name}/gram"] = gram.diagonal().clamp_min(0).sqrt()
-        norms[f"{name}/rhs"] = ((gram @ weights) * weights).sum(0).clamp_min(0).sqrt()
-    return norms
 
 
 @dataclass(frozen=True)
 class GramTermsRequest:
     """RegMean's request to each site when it fits from sums (``grams="sums"``): the site's
-    terms (:func:`site_terms`) or their norms (:func:`site_norms`) under the server's
+    terms or their norms (:func:`site_terms`) under the server's
     ``fit_bias``, from Grams noised by ``privacy`` (per level; None: exact)."""
 
     fit_bias: bool | str = "auto"
@@ -110,8 +104,7 @@ class GramTermsRequest:
         """The site's terms (or their norms) from its :meth:`sources`."""
         check_fit_bias(self.fit_bias, _METHOD)
         grams = {int(level): gram for level, gram in sources.items()}
-        read = site_norms if norms else site_terms
-        return read(model, grams, self.fit_bias)
+        return site_terms(model, grams, self.fit_bias, norms=norms)
 
 
 @torch.no_grad()
@@ -123,7 +116,7 @@ def norm_units(
     over the models."""
     energies: dict[str, torch.Tensor] = {}
     for model in models:
-        for name, norm in site_norms(model, level_grams(model, data), fit_bias).items():
+        for name, norm in site_terms(model, level_grams(model, data), fit_bias, norms=True).items():
             share = norm**2 / (len(data) * len(models))
             energies[name] = energies[name] + share if name in energies else share
     scales = {name: (coarse_norm_scale(e, samples), None) for name, e in energies.items()}
@@ -206,7 +199,6 @@ __all__ = [
     "GramTermsRequest",
     "level_mechanisms",
     "norm_units",
-    "site_norms",
     "site_terms",
     "summed_terms",
     "term_units",
