@@ -108,6 +108,37 @@ def build_site_dataset(
     )
 
 
+def _resized_site_dataset(
+    images: np.ndarray,
+    labels: np.ndarray,
+    num_classes: int,
+    source: str,
+    name: str,
+    *,
+    shape: Shape | None,
+    mean: Sequence[float] | None,
+    std: Sequence[float] | None,
+    classes: Sequence[str] | None,
+    max_classes: int,
+    max_bytes: int,
+) -> ImageDataset:
+    """The converters' last step: ``images`` resized to ``shape`` (None: kept as they are) within
+    ``max_bytes``, then :func:`build_site_dataset` with the class names ``classes``."""
+    if shape is not None:
+        images = resize_images(images, shape, source, max_bytes=max_bytes)
+    return build_site_dataset(
+        images,
+        labels,
+        num_classes,
+        source=source,
+        mean=mean,
+        std=std,
+        name=name,
+        class_names=classes,
+        max_classes=max_classes,
+    )
+
+
 # --------------------------------------------------------------------------------- MedMNIST
 def _medmnist_classes(path: Path) -> list[str] | None:
     """Class names of a MedMNIST file from its name (``bloodmnist.npz``, ``bloodmnist_64.npz``)."""
@@ -168,19 +199,18 @@ def from_medmnist_npz(
     if num_classes is None:
         raise ValueError(f"{path}: not named after a MedMNIST set, so give the number of classes")
     images, labels = read_medmnist_npz(path, split, max_bytes=max_bytes)
-    source = f"{path}[{split}]"
-    if shape is not None:
-        images = resize_images(images, shape, source, max_bytes=max_bytes)
-    return build_site_dataset(
+    return _resized_site_dataset(
         images,
         labels,
         num_classes,
-        source=source,
+        f"{path}[{split}]",
+        path.stem,
+        shape=shape,
         mean=mean,
         std=std,
-        name=path.stem,
-        class_names=classes,
+        classes=classes,
         max_classes=max_classes,
+        max_bytes=max_bytes,
     )
 
 
@@ -225,16 +255,16 @@ def from_arrays(
         raise DataFormatError(
             f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels"
         )
-    if shape is not None:
-        images = resize_images(images, shape, str(images_path), max_bytes=max_bytes)
-    return build_site_dataset(
+    return _resized_site_dataset(
         images,
         labels,
         num_classes,
-        source=str(images_path),
+        str(images_path),
+        images_path.stem,
+        shape=shape,
         mean=mean,
         std=std,
-        name=images_path.stem,
-        class_names=classes,
+        classes=classes,
         max_classes=max_classes,
+        max_bytes=max_bytes,
     )
