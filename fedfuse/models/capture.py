@@ -223,7 +223,6 @@ class LevelStream:
         return LevelIO(seen if self.keep_inputs else torch.empty(0), x)
 
 
-@torch.no_grad()
 def predict(
     model: torch.nn.Module,
     inputs: torch.Tensor,
@@ -231,12 +230,15 @@ def predict(
     batch_size: int = 1024,
     device: str | torch.device = "auto",
 ) -> torch.Tensor:
-    """Model outputs (logits) for ``inputs``, computed in eval mode in batches, returned on CPU."""
-    with evaluating(model, device) as compute:
-        outputs = [
-            model(inputs[start : start + batch_size].to(compute)).cpu()
-            for start in range(0, len(inputs), batch_size)
-        ]
+    """Model outputs (logits) for ``inputs``, computed in eval mode in batches without gradients
+    (:func:`run_batches`), returned on CPU."""
+    outputs: list[torch.Tensor] = []
+
+    def record(_key: str, _module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        outputs.append(output.cpu())
+
+    with hooked({"model": model}, record):
+        run_batches(model, inputs, batch_size=batch_size, device=device)
     return torch.cat(outputs)
 
 
