@@ -8,18 +8,23 @@ pooling, dropout) a level of its own, and the flatten before the first ``Linear`
 and a two-way map of parameter names (:meth:`ModelAdapter.user_names`) takes a fused model back
 into the user's class with the user's names (:meth:`ModelAdapter.export`).
 
-What it accepts, and why: fusion aligns neurons through the operations between two affine
-layers, so those must act on each channel alike (elementwise activations, pooling, dropout) or
-be the flatten of ``(C, H, W)`` into ``C*H*W`` features before a ``Linear``. Any other graph is
-refused at once, with the node that breaks the rule named:
+Two kinds of graph, and why:
 
-- a branch (a node used twice, a residual ``add``, a ``cat``): ResNets and ViTs are described
-  by fedfuse's own ``resnet`` and ``vit`` architectures;
-- a layer with parameters other than ``Linear``/``Conv2d`` (``BatchNorm``, ``LayerNorm``,
-  ``Embedding``, grouped or non-zero-padded convolutions);
-- an operation after the classifier (``log_softmax``: fedfuse's methods read logits), or an
-  operation it does not know to preserve channels (``permute``, ``transpose``);
-- forward code that ``torch.fx`` cannot trace (control flow on tensor values).
+- a *chain* (each node feeds the next; ``Linear``/``Conv2d`` layers with elementwise
+  activations, pooling, dropout and the flatten of ``(C, H, W)`` into ``C*H*W`` features between
+  them) is cut as above, so every method that fits affine levels in closed form takes it;
+- any other traceable graph (residual adds, ``cat``, BatchNorm, LayerNorm, GroupNorm,
+  ``nn.MultiheadAttention``, torchvision's ResNets and ViTs) is cut into levels where a single
+  tensor is live (:mod:`fedfuse.models.graph_adapter`), and its feature spaces are derived from
+  the graph (:mod:`fedfuse.models.graph_symmetry`): methods that work by parameter name
+  (averaging, distillation, Fisher) and those that align feature spaces (Git Re-Basin,
+  OTFusion) take it; a graph whose channels cannot be aligned (a custom op mixing them, a
+  ``flip``, a grouped convolution) is refused by the aligning methods only, in one line naming
+  the node and the op; methods that fit levels of known types refuse it naming the level.
+
+Refused at once, with the node named: an operation after the classifier (``log_softmax``:
+fedfuse's methods read logits), a forward pass of several inputs, and forward code that
+``torch.fx`` cannot trace (control flow on tensor values).
 
 Tracing is chosen over an explicit list of layers because the forward pass, not the order of
 ``__init__``, says how layers connect (the Flower PyTorch template reuses one ``MaxPool2d`` twice
