@@ -100,20 +100,23 @@ def test_sums_fit_as_the_per_site_fit_given_the_same_readings(monkeypatch):
     sums = KFSites(statistics="sums", **options).fuse(models, inputs)
     found: dict[int, list] = {}
 
-    def readings_of_the_fusion_set(self, gram, statistics, scores, index, width):
-        points_models = [models[m] for m in statistics]
-        readings, info = fusion_set_readings(
-            points_models,
-            index,
-            inputs.data,
-            [torch.ones(len(statistics[m].cross.T)) for m in statistics],
-            width,
-            lambda p, w, sizes, k: self._group(p, w, sizes, k, index),
-        )
-        found[index] = readings
-        return dict(zip(statistics, readings, strict=True)), info
+    def readings_of_the_fusion_set(self, statistics, scores, index, width):
+        def readings_of(gram):
+            points_models = [models[m] for m in statistics]
+            readings, info = fusion_set_readings(
+                points_models,
+                index,
+                inputs.data,
+                [torch.ones(len(statistics[m].cross.T)) for m in statistics],
+                width,
+                lambda p, w, sizes, k: self._group(p, w, sizes, k, index),
+            )
+            found[index] = readings
+            return dict(zip(statistics, readings, strict=True)), info
 
-    monkeypatch.setattr(module.SiteInterpolation, "_readings", readings_of_the_fusion_set)
+        return readings_of
+
+    monkeypatch.setattr(module.SiteInterpolation, "_readings_of", readings_of_the_fusion_set)
     per_site = KFSites(**options).fuse(models, inputs)
     assert found  # the per-site fit used the fusion set's readings
     for name, value in sums.model.state_dict().items():

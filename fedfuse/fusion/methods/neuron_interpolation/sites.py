@@ -41,6 +41,7 @@ from fedfuse.fusion.inputs import resolve_scores
 from fedfuse.fusion.methods.neuron_interpolation.grouping import group_with_options
 from fedfuse.fusion.methods.neuron_interpolation.options import fixed_variant
 from fedfuse.fusion.methods.neuron_interpolation.site_fits import (
+    ReadingsFn,
     fit_attention_logits,
     fit_piece,
     group_readings,
@@ -208,7 +209,7 @@ class SiteInterpolation(SiteOptions):
             fitted, gram, info = fit_piece(
                 statistics,
                 width,
-                None if is_head else lambda g: self._readings(g, statistics, weights, index, width),
+                None if is_head else self._readings_of(statistics, weights, index, width),
                 ridge=self.ridge,
                 stream=stream if piece.stream is not None else None,
             )
@@ -278,17 +279,18 @@ class SiteInterpolation(SiteOptions):
             self, points, weights, sizes, k, seed=self.seed + index, local_search_swaps=0
         )
 
-    def _readings(
+    def _readings_of(
         self,
-        gram: torch.Tensor,
         statistics: dict[int, SiteStatistics],
         scores: dict[int, torch.Tensor],
         index: int,
         width: int,
-    ) -> tuple[dict[int, torch.Tensor], dict[str, Any]]:
-        """Group the sites' translated neurons; each model's reading ``(width, width_k)``
+    ) -> ReadingsFn:
+        """Each model's reading ``(width, width_k)`` of level ``index``'s fused neurons as a
+        function of the pooled Gram: the sites' translated neurons grouped
         (:func:`~.site_fits.group_readings`)."""
-        return group_readings(gram, statistics, scores, width, partial(self._group, index=index))
+        group = partial(self._group, index=index)
+        return lambda gram: group_readings(gram, statistics, scores, width, group)
 
 
 @register_fusion_method
