@@ -266,6 +266,12 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------------------- early stopping
+def check_val_split(val_split: float) -> None:
+    """Raise ValueError unless ``val_split``, a share held out for validation, is in [0, 1)."""
+    if not 0 <= val_split < 1:
+        raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+
+
 def holdout_split(
     n: int, val_split: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,8 +280,7 @@ def holdout_split(
     Sets of fewer than 10 rows hold nothing out (the fit then monitors its training rows). One
     ``randperm`` of ``n`` is drawn from ``generator``.
     """
-    if not 0 <= val_split < 1:
-        raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+    check_val_split(val_split)
     order = torch.randperm(n, generator=generator)
     n_val = int(round(val_split * n)) if n >= 10 else 0
     return order[n_val:], order[:n_val]

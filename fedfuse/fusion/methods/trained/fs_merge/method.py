@@ -47,7 +47,7 @@ from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.symmetry import feature_spaces
 from fedfuse.runtime import resolve_device
-from fedfuse.training.loop import SCHEDULERS, check_optimizer, holdout_split
+from fedfuse.training.loop import SCHEDULERS, check_optimizer, check_val_split, holdout_split
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,7 @@ class FSMerge(FusionMethod):
         bad_momentum = momentum is not None and not 0 <= momentum < 1
         if (lr is not None and lr <= 0) or weight_decay < 0 or bad_momentum:
             raise ValueError(f"invalid lr={lr}, weight_decay={weight_decay}, momentum={momentum}")
-        if not 0 <= val_split < 1:
-            raise ValueError(f"val_split must be in [0, 1), got {val_split}")
+        check_val_split(val_split)
         self.objective = objective
         self.init = init
         self.rank = rank
