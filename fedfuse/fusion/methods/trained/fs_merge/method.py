@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +50,16 @@ from fedfuse.runtime import resolve_device
 from fedfuse.training.loop import SCHEDULERS, check_optimizer, check_val_split, holdout_split
 
 log = logging.getLogger(__name__)
+
+
+class _Setup(NamedTuple):
+    """What both SuperNets train with: the device, the frozen base models on it, the seeded
+    generator and the fusion set's training and validation rows (on the device)."""
+
+    device: torch.device
+    frozen: list[LeveledModel]
+    generator: torch.Generator
+    split: tuple[torch.Tensor, torch.Tensor]
 
 
 @register_fusion_method
@@ -225,16 +235,11 @@ class FSMerge(FusionMethod):
             return self._fuse_spaces(models, inputs)
         started = time.perf_counter()
         check_levels(self.name, models)  # a ValueError naming the model and level not affine
-        device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
         schedule = self.schedule()
-        frozen = [copy.deepcopy(m).to(device).eval().requires_grad_(False) for m in models]
-        generator = torch.Generator().manual_seed(self.seed)
-        train, val = holdout_split(len(data), self.val_split, generator)
-        n_val = len(val)
-        split = (train.to(device), val.to(device))
-        details = self._settings_details(schedule, len(data), n_val)
+        device, frozen, generator, split = self._setup(models, data)
+        details = self._settings_details(schedule, len(data), len(split[1]))
         trained = train_levels(
             frozen,
             data,
@@ -262,6 +267,14 @@ class FSMerge(FusionMethod):
         details["fold_seconds"] = time.perf_counter() - tic
         details["seconds"] = time.perf_counter() - started
         return fused, details
+
+    def _setup(self, models: list[LeveledModel], data: torch.Tensor) -> _Setup:
+        """:class:`_Setup` of a fusion of ``models`` on the fusion set ``data``."""
+        device = resolve_device(self.device)
+        frozen = [copy.deepcopy(m).to(device).eval().requires_grad_(False) for m in models]
+        generator = torch.Generator().manual_seed(self.seed)
+        train, val = holdout_split(len(data), self.val_split, generator)
+        return _Setup(device, frozen, generator, (train.to(device), val.to(device)))
 
     def _settings_details(
         self, schedule: FSMergeSchedule, fusion_samples: int, validation_samples: int
@@ -305,15 +318,11 @@ class FSMerge(FusionMethod):
         """FS-Merge of transformers (App. B): the global objective on the feature-space
         SuperNet, then folded (App. E.2's schedule unless the options override it)."""
         started = time.perf_counter()
-        device = resolve_device(self.device)
         data = inputs.data
         assert data is not None
+        device, frozen, generator, split = self._setup(models, data)
         data = data.to(device)
         count = len(models)
-        frozen = [copy.deepcopy(m).to(device).eval().requires_grad_(False) for m in models]
-        generator = torch.Generator().manual_seed(self.seed)
-        train, val = holdout_split(len(data), self.val_split, generator)
-        split = (train.to(device), val.to(device))
         # App. E.2 (ViT), under either recipe: 200 epochs of SGD, one cosine cycle
         schedule = self._overridden(FSMergeSchedule(200, 0.1, 0.9, "cosine", "sgd"))
         tic = time.perf_counter()
@@ -350,7 +359,7 @@ class FSMerge(FusionMethod):
         tic = time.perf_counter()
         fused = net.fold().cpu()
         details: dict[str, Any] = {
-            **self._settings_details(schedule, len(data), len(val)),
+            **self._settings_details(schedule, len(data), len(split[1])),
             "supernet": "feature spaces",
             "sites": len(net.sites),
             "training": info,
