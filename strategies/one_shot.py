@@ -64,7 +64,7 @@ from .finetune_round import SiteFinetuneRound
 from .intake import UploadIntake
 from .messaging import stream_replies, wait_for_nodes
 from .method_runs import MethodFailure, format_method_results, fuse_each_method
-from .plain_apps import plain_app
+from .plain_apps import PLAIN_APP_NEEDS, plain_app
 from .preflight import CONTRACT_TIMEOUT, FusionAborted, check_methods, check_site_data
 from .roster import SiteRoster
 from .secure_sums import SecureSettings, check_secure_methods
@@ -244,6 +244,7 @@ class OneShotFusion(UploadIntake, Strategy):
             spec,
             self.available_inputs,
             None if self.target is None or spec is None else self.target(spec),
+            wording=PLAIN_APP_NEEDS if self.adapter is not None else None,
         )
         if self.before_training is not None:
             self.before_training(len(self._sent))

@@ -17,9 +17,18 @@ from torch import nn
 from fedfuse.federation.plain_site import EXTRA_FIELDS, extras_for
 from fedfuse.fusion import FusionMethod
 from fedfuse.models import ModelAdapter
+from fedfuse.models.adapter import check_factory
 
 from .preflight import MethodsUnfit, check_methods
 from .replies import EXTRAS_HINT
+
+#: how a missing input reads to a plain app's author: the strategy's argument that gives it
+PLAIN_APP_NEEDS = {
+    "data": "a fusion set on the server (OneShotFusion(fusion_set=...): your samples as a "
+    "tensor, an (inputs, labels) pair or a DataLoader)",
+    "labels": "labels for the fusion set (fusion_set= as an (inputs, labels) pair or a "
+    "DataLoader of both)",
+}
 
 
 @dataclass
@@ -56,7 +65,9 @@ def plain_app(
     Raises:
         MethodsUnfit: when a method needs what the sites will not send.
         ValueError: when there is no input shape to trace the model with.
+        TypeError: when ``model_fn`` is a model instance, not its class or a factory.
     """
+    check_factory(model_fn, "model_fn")
     if input_shape is None:
         if fixed_fusion_set is None:
             raise ValueError(
@@ -76,7 +87,9 @@ def plain_app(
         f"class counts, Gram matrices and Fisher {EXTRAS_HINT} and pass client_extras=True; "
         "statistics rounds (kf-sites, hf-sites) need fedfuse's own ClientApp"
     )
-    check_methods(methods, min_nodes, adapter.spec, available_inputs, hint=hint)
+    check_methods(
+        methods, min_nodes, adapter.spec, available_inputs, hint=hint, wording=PLAIN_APP_NEEDS
+    )
     wider = [m.name for m in methods if m.chooses_widths]
     if wider:
         raise MethodsUnfit(

@@ -10,7 +10,7 @@ trains nothing, and a run that would have too few sites left ends before any sit
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -48,14 +48,16 @@ def check_methods(
     target: ModelSpec | None = None,
     *,
     hint: str = "",
+    wording: Mapping[str, str] | None = None,
 ) -> None:
     """Raise :class:`MethodsUnfit` listing every method that cannot fuse this run (into
-    ``target``, the fused model's spec; None: the sites'); ``hint`` ends the message."""
+    ``target``, the fused model's spec; None: the sites'); ``hint`` ends the message;
+    ``wording``: how a missing input reads for this caller (``FusionMethod.check_run``)."""
     available = None if available is None else set(available)
     problems = []
     for method in methods:
         try:
-            method.check_run(num_sites, spec, available, target)
+            method.check_run(num_sites, spec, available, target, wording=wording)
         except ValueError as error:
             problems.append(str(error))
     if problems:

@@ -158,14 +158,18 @@ class FusionMethod(ABC):
         spec: ModelSpec | None = None,
         available: Iterable[str] | None = None,
         target: ModelSpec | None = None,
+        *,
+        wording: Mapping[str, str] | None = None,
     ) -> None:
         """Raise ValueError, naming the method, unless it can fuse this run's models.
 
         Meant to be called before any site trains: ``num_models`` sites of architecture
         ``spec`` (None: not known yet), with the :class:`FusionInputs` fields ``available``
         (None: all of them), into ``target`` (None: the sites' spec). Cheap: the specs are
-        built on the meta device.
+        built on the meta device. ``wording``: how a missing field reads for this caller (e.g.
+        the argument of a plain Flower app's strategy that gives it), over fedfuse's app's.
         """
+        needs = {**INPUT_NEEDS, **(wording or {})}
         if target is not None and spec is not None and target != spec:
             if not self.retargetable:
                 raise ValueError(
@@ -188,7 +192,7 @@ class FusionMethod(ABC):
             lacking = sorted(self.requirements() - set(available))
             if lacking:
                 raise ValueError(
-                    f"{self.name}: needs {', '.join(_INPUT_NEEDS.get(n, n) for n in lacking)}, "
+                    f"{self.name}: needs {', '.join(needs.get(n, n) for n in lacking)}, "
                     "which this run does not provide"
                 )
         if spec is not None:
@@ -321,8 +325,8 @@ class FusionMethod(ABC):
         return type(self).config_class()(**self.options())
 
 
-#: how a missing :class:`FusionInputs` field reads in an error message
-_INPUT_NEEDS = {
+#: how a missing :class:`FusionInputs` field reads in an error message (in fedfuse's own app)
+INPUT_NEEDS = {
     "data": "a fusion set on the server (run config fusion-data, or a simulated split)",
     "labels": "labels for the fusion set",
     "scores": "the sites' importance scores",

@@ -122,6 +122,7 @@ class ModelAdapter:
         *,
         name: str | None = None,
     ) -> None:
+        check_factory(factory, "factory")
         self.factory = factory
         self.input_shape = tuple(int(d) for d in input_shape)
         template = factory()
@@ -364,10 +365,31 @@ def _describe(node: fx.Node) -> str:
     return text if node.op != "call_function" or target is not operator.add else "add"
 
 
+def check_factory(factory: object, what: str) -> None:
+    """Refuse a model instance where a factory is expected: calling an instance runs its forward
+    pass without input, which fails far from the cause (``forward() missing ... 'x'``).
+
+    Raises:
+        TypeError: naming what to pass instead.
+    """
+    if isinstance(factory, nn.Module):
+        cls = type(factory).__name__
+        raise TypeError(
+            f"{what} is a {cls} instance; pass the class ({what}={cls}) or a zero-argument "
+            f"function returning a new model ({what}=lambda: {cls}(...)): fedfuse builds a fresh "
+            "model for every fused result"
+        )
+    if not callable(factory):
+        raise TypeError(
+            f"{what} is a {type(factory).__name__}; pass the model class or a zero-argument "
+            "function returning a new model"
+        )
+
+
 def is_adaptable(model: nn.Module) -> bool:
     """Whether ``model`` is a plain module that :class:`ModelAdapter` must adapt (not already a
     :class:`LeveledModel`)."""
     return isinstance(model, nn.Module) and not isinstance(model, LeveledModel)
 
 
-__all__ = ["ModelAdapter", "is_adaptable"]
+__all__ = ["ModelAdapter", "check_factory", "is_adaptable"]

@@ -10,6 +10,8 @@ and a level's state-dict keys are the user's keys behind ``levels.<index>.``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
 from dataclasses import dataclass
 
@@ -30,16 +32,54 @@ def trace(template: nn.Module, input_shape: tuple[int, ...], name: str) -> fx.Gr
             "fedfuse adapts models whose forward has no control flow on tensor values"
         ) from None
     training = template.training
-    try:
-        ShapeProp(graph_module.eval()).propagate(torch.zeros(2, *input_shape))
-    except Exception as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(
-            f"{name}: the model does not run on inputs of shape {list(input_shape)}: {first}"
-        ) from None
+    propagation = _ShapeProp(graph_module.eval())
+    try:  # ShapeProp prints the traceback of a failing node to stderr before it re-raises
+        with contextlib.redirect_stderr(io.StringIO()):
+            propagation.propagate(torch.zeros(2, *input_shape))
+    except Exception as error:  # any error of the user's forward pass
+        raise ValueError(_shape_mismatch(name, input_shape, propagation.node, error)) from None
     finally:
         graph_module.train(training)
     return graph_module
+
+
+class _ShapeProp(ShapeProp):
+    """ShapeProp that remembers the node it ran last (the one that failed, when one does)."""
+
+    node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> object:
+        self.node = n
+        return super().run_node(n)
+
+
+def _shape_mismatch(
+    name: str, given: tuple[int, ...], node: fx.Node | None, error: Exception
+) -> str:
+    """One line for a forward pass that fails on ``given``: the failing layer, the input it
+    expects against the one it got, and the knob to fix (``input_shape=``). ShapeProp wraps the
+    error with a traceback in its message, so only the root error's first line is kept."""
+    root: BaseException = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    reason = (str(root).splitlines() or [type(root).__name__])[0]
+    where = f"node {node.name!r}" if node is not None else "the forward pass"
+    expected = ""
+    if node is not None and node.op == "call_module":
+        module = node.graph.owning_module.get_submodule(str(node.target))
+        where = f"{node.target!r} ({type(module).__name__})"
+        arg = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        got = output_shape(arg) if arg is not None and arg.op != "placeholder" else None
+        got = got if got is not None else (2, *given)
+        if isinstance(module, nn.Linear):
+            expected = f"expects {module.in_features} features, got {got[-1]}"
+        elif isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            expected = f"expects {module.in_channels} channels, got shape {list(got[1:])}"
+    detail = expected or f"fails ({reason})"
+    return (
+        f"{name}: input_shape {list(given)} does not fit the model: {where} {detail}; give "
+        "input_shape= as one input's shape without the batch (e.g. (3, 32, 32))"
+    )
 
 
 def output_shape(node: fx.Node) -> tuple[int, ...] | None:
