@@ -48,6 +48,16 @@ from fedfuse.models import LeveledModel
 #: the clipping range of the norms round, in its coarse units
 NORMS_CLIP = float(1 << 16)
 
+#: how a fit reads the sites' statistics: each site's reply on its own, or only sums over sites
+STATISTICS_MODES = ("per-site", "sums")
+
+
+def check_statistics_mode(option: str, mode: str) -> None:
+    """Raise ValueError, naming ``option``, unless ``mode`` is one of :data:`STATISTICS_MODES`
+    (the two fits of the module docstring take ``"sums"``)."""
+    if mode not in STATISTICS_MODES:
+        raise ValueError(f"{option} must be 'per-site' or 'sums', got {mode!r}")
+
 
 @dataclass(frozen=True)
 class SummedRequest:
@@ -284,9 +294,11 @@ def sum_over_sites(sites: Any, summed: SummedRequest) -> SiteSums:
 
 __all__ = [
     "NORMS_CLIP",
+    "STATISTICS_MODES",
     "SiteSums",
     "SummedRequest",
     "add_terms",
+    "check_statistics_mode",
     "site_sources",
     "site_sum_terms",
     "statistics_from_terms",

@@ -17,6 +17,7 @@ from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
 from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
 from fedfuse.fusion.statistics.privacy import check_dp_options
 from fedfuse.fusion.statistics.rounds import STATISTICS_DTYPES
+from fedfuse.fusion.statistics.summed_terms import check_statistics_mode
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias
 
@@ -115,8 +116,7 @@ class SiteOptions(FusionMethod):
         self.max_samples = max_samples
         self.statistics_dtype = statistics_dtype
         self.gram_rank = gram_rank
-        if statistics not in ("per-site", "sums"):
-            raise ValueError(f"statistics must be 'per-site' or 'sums', got {statistics!r}")
+        check_statistics_mode("statistics", statistics)
         self.statistics = statistics
         self.match_rounds = match_rounds
         self.n_init = n_init

@@ -89,7 +89,7 @@ from fedfuse.fusion.statistics.grams import (
     module_grams_layout,
 )
 from fedfuse.fusion.statistics.privacy import check_dp_options
-from fedfuse.fusion.statistics.summed_terms import SiteSums
+from fedfuse.fusion.statistics.summed_terms import SiteSums, check_statistics_mode
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias
 
@@ -163,8 +163,7 @@ class RegMean(FusionMethod):
                 "the server; use grams='per-site'"
             )
         self.align = align
-        if grams not in ("per-site", "sums"):
-            raise ValueError(f"regmean: grams must be 'per-site' or 'sums', got {grams!r}")
+        check_statistics_mode("regmean: grams", grams)
         self.grams = grams
         if dp_epsilon is not None and grams != "sums":
             raise ValueError(
