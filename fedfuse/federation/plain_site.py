@@ -8,7 +8,10 @@ site's class counts (head weighting), the Gram matrices of each level's inputs (
 the Fisher information (Fisher merging, FedFisher).
 :func:`compute_site_extras` computes whichever of these the server asked for, on the site's own
 data in the app's own normalisation, from the user's own ``nn.Module``
-(:class:`~fedfuse.models.ModelAdapter` gives it fedfuse's levels).
+(:class:`~fedfuse.models.ModelAdapter` gives it fedfuse's levels); :func:`site_fusion_inputs`
+computes, for sites in one process (the library), all that a list of methods reads from them.
+Both are public as ``fedfuse.federation.compute_site_extras`` and
+``fedfuse.federation.site_fusion_inputs``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +27,10 @@ from torch import nn
 
 from fedfuse.data.tensors import SampleSource, collect_samples
 from fedfuse.federation.method_needs import upload_request_for
-from fedfuse.fusion import FusionMethod
+from fedfuse.fusion import FusionInputs, FusionMethod, LocalSites, as_fusion_methods
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
-from fedfuse.models import ModelAdapter
+from fedfuse.models import LeveledModel, ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
 
 log = logging.getLogger(__name__)
@@ -82,9 +85,9 @@ def compute_site_extras(
     score_steps: int = 16,
     keys: tuple[str, str] | None = None,
 ) -> SiteExtras:
-    """The ``wanted`` extras (names in :data:`EXTRAS`) of the site's trained ``model`` on its
-    training ``data`` (a ``DataLoader``, an ``(inputs, labels)`` pair; see
-    :func:`~fedfuse.data.tensors.collect_samples`).
+    """The ``wanted`` extras (names in :data:`EXTRAS`) of the site's trained ``model`` (a plain
+    ``nn.Module`` or a leveled model) on its training ``data`` (a ``DataLoader``, an
+    ``(inputs, labels)`` pair; see :func:`~fedfuse.data.tensors.collect_samples`).
 
     Scores use the first ``score_samples`` inputs, each explaining its own label's logit; class
     counts and Grams read all of ``data``. The model is left as it was (mode, device, weights).
@@ -102,14 +105,17 @@ def compute_site_extras(
     kinds = [kind for kind in FISHER_KINDS if f"fisher-{kind}" in wanted]
     limit = None if "grams" in wanted or kinds else score_samples
     inputs, labels = collect_samples(data, limit=limit, keys=keys, what="the site's data")
-    adapter = ModelAdapter.of(model, tuple(inputs.shape[1:]))
-    leveled = adapter.adapt(model)
+    leveled = (
+        model
+        if isinstance(model, LeveledModel)
+        else ModelAdapter.of(model, tuple(inputs.shape[1:])).adapt(model)
+    )
     device = next(model.parameters()).device
     extras.seconds["collect"] = time.monotonic() - started
     if "class-counts" in wanted:
         if labels is None:
             raise ValueError("the site's data has no labels, so it cannot count its classes")
-        classes = adapter.spec.num_classes
+        classes = leveled.spec.num_classes
         if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
             raise ValueError(
                 f"the site's labels span [{int(labels.min())}, {int(labels.max())}], the "
@@ -135,3 +141,51 @@ def compute_site_extras(
         extras.seconds["fisher"] = time.monotonic() - started
     log.info("site extras %s computed on %d samples", sorted(wanted), len(inputs))
     return extras
+
+
+def site_fusion_inputs(
+    models: Sequence[nn.Module],
+    site_data: Sequence[SampleSource],
+    methods: str | FusionMethod | Sequence[str | FusionMethod],
+    *,
+    data: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    score_method: str = "conductance",
+    keys: tuple[str, str] | None = None,
+) -> FusionInputs:
+    """The :class:`~fedfuse.fusion.FusionInputs` that ``methods`` read from the sites, computed
+    in-process: each trained model (the user's own ``nn.Module`` s, or leveled models) with its
+    own site's data (a ``DataLoader`` or an ``(inputs, labels)`` pair, in model order).
+
+    Gives what the methods need and nothing else: each site's sample count, the extras of
+    :func:`compute_site_extras` (importance scores, class counts, Gram matrices, Fisher), and
+    :class:`~fedfuse.fusion.LocalSites` for statistics rounds (``kf-sites``, ``hf-sites``);
+    ``data``/``labels`` are the server's fusion set, passed through. The library's counterpart of
+    what a Flower site sends (:func:`fedfuse.clients.add_fusion_extras`), without Flower.
+    """
+    methods = as_fusion_methods(methods)
+    if len(models) != len(site_data):
+        raise ValueError(f"{len(models)} models but data of {len(site_data)} sites")
+    needed = set().union(*(method.needs() for method in methods))
+    wanted = extras_for(methods)
+    samples = [
+        collect_samples(d, keys=keys, what=f"site {i}'s data") for i, d in enumerate(site_data)
+    ]
+    extras = [
+        compute_site_extras(model, pair, wanted, score_method=score_method)
+        for model, pair in zip(models, samples, strict=True)
+    ]
+
+    def field_of(name: str, attribute: str) -> list | None:
+        return [getattr(e, attribute) for e in extras] if name in wanted else None
+
+    return FusionInputs(
+        data=data,
+        labels=labels,
+        scores=field_of("scores", "scores"),
+        sample_counts=[len(x) for x, _ in samples] if "sample_counts" in needed else None,
+        class_counts=field_of("class-counts", "class_counts"),
+        grams=field_of("grams", "grams"),
+        fisher=[e.fisher for e in extras] if any(e.fisher for e in extras) else None,
+        sites=LocalSites(models, [x for x, _ in samples]) if "sites" in needed else None,
+    )

@@ -28,6 +28,7 @@ from fedfuse.fusion.options import (
     forwards_options,
 )
 from fedfuse.models import LeveledModel, ModelAdapter, ModelSpec, build_model
+from fedfuse.models.adapter import infer_input_shape, known_input_shape
 from fedfuse.runtime import release_free_memory
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class FusionMethod(ABC):
 
         ``models`` are fedfuse's :class:`LeveledModel` s or instances of one plain
         ``nn.Module`` class: those are adapted (:class:`~fedfuse.models.ModelAdapter`, on the
-        input shape of ``inputs.data``) and the fused model comes back as that class. A single
+        input shape of ``inputs.data``, else the sites', the class's last adapter's or one its
+        first layer takes: methods without a fusion set need none) and the fused model comes back as that class. A single
         model with another ``target`` (narrower, or shallower) is *compression* (paper Sec.
         5.5.2), open to retargetable methods.
         """
@@ -342,7 +344,9 @@ def plain_model_adapter(
     models: Sequence[LeveledModel | nn.Module], inputs: FusionInputs
 ) -> ModelAdapter | None:
     """The registered :class:`~fedfuse.models.ModelAdapter` for ``models`` when they are plain
-    ``nn.Module`` s of one class (None when they are all leveled models already)."""
+    ``nn.Module`` s of one class (None when they are all leveled models already); their input
+    shape is the fusion set's, else the sites' (``LocalSites``), else the class's last adapted
+    one (:func:`~fedfuse.models.adapter.known_input_shape`), else read off the model."""
     plain = [m for m in models if not isinstance(m, LeveledModel)]
     if not plain:
         return None
@@ -351,9 +355,18 @@ def plain_model_adapter(
         raise TypeError(
             f"models to fuse are of several classes {classes}; fuse models of one class"
         )
-    if inputs.data is None:
-        raise ValueError(
-            f"fusing plain {classes[0]} models needs their input shape: give FusionInputs.data "
-            "(the fusion set), or adapt them first with fedfuse.models.ModelAdapter"
+    if inputs.data is not None:
+        shape = tuple(inputs.data.shape[1:])
+    else:  # a method without a fusion set: the sites' data, or an earlier adapter, says it
+        shape = (
+            getattr(inputs.sites, "input_shape", None)
+            or known_input_shape(type(plain[0]))
+            or infer_input_shape(plain[0])
         )
-    return ModelAdapter.of(plain[0], tuple(inputs.data.shape[1:])).register()
+    if shape is None:
+        raise ValueError(
+            f"cannot tell the input shape of the plain {classes[0]} models: give "
+            f"FusionInputs.data (the fusion set), or adapt the class once with "
+            f"ModelAdapter({classes[0]}, input_shape)"
+        )
+    return ModelAdapter.of(plain[0], shape).register()

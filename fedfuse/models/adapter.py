@@ -132,6 +132,7 @@ class ModelAdapter:
         self.name = name or f"{cls.__module__}.{cls.__qualname__}"
         self.model_class = cls
         graph_module = trace(template, self.input_shape, self.name)
+        _INPUT_SHAPES[cls] = self.input_shape
         self._graph: GraphPlan | None = None
         try:
             steps = _trace_chain(graph_module, template, self.name)
@@ -365,6 +366,46 @@ def _describe(node: fx.Node) -> str:
     return text if node.op != "call_function" or target is not operator.add else "add"
 
 
+#: the input shape each class was last adapted on (a fusion without a fusion set reuses it)
+_INPUT_SHAPES: dict[type, tuple[int, ...]] = {}
+
+
+def known_input_shape(model_class: type) -> tuple[int, ...] | None:
+    """The input shape ``model_class`` was last adapted on in this process (by a
+    :class:`ModelAdapter`, ``LocalSites`` or ``compute_site_extras``), None if never."""
+    return _INPUT_SHAPES.get(model_class)
+
+
+#: square image sides tried for a model whose first layer is a convolution (ImageNet's last)
+_IMAGE_SIDES = (28, 32, 64, 96, 16, 224)
+
+
+def infer_input_shape(model: nn.Module) -> tuple[int, ...] | None:
+    """An input shape ``model`` runs on, read off its first layer (a ``Linear``: its features;
+    a ``Conv1d``/``Conv2d``: its channels, with the model's ``image_size`` or a common side),
+    each guess checked by tracing; None when none runs. For methods without a fusion set, which
+    need a shape only to trace the model (any shape it runs on cuts the same levels)."""
+    first = next(
+        (m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv1d | nn.Conv2d)), None
+    )
+    if first is None:
+        return None
+    if isinstance(first, nn.Linear):
+        guesses = [(first.in_features,)]
+    else:
+        side = getattr(model, "image_size", None)
+        sides = ([side] if isinstance(side, int) else []) + list(_IMAGE_SIDES)
+        spatial = 1 if isinstance(first, nn.Conv1d) else 2
+        guesses = [(first.in_channels, *(s,) * spatial) for s in dict.fromkeys(sides)]
+    for shape in guesses:
+        try:
+            trace(model, shape, type(model).__name__)
+        except ValueError:
+            continue
+        return shape
+    return None
+
+
 def check_factory(factory: object, what: str) -> None:
     """Refuse a model instance where a factory is expected: calling an instance runs its forward
     pass without input, which fails far from the cause (``forward() missing ... 'x'``).
@@ -392,4 +433,10 @@ def is_adaptable(model: nn.Module) -> bool:
     return isinstance(model, nn.Module) and not isinstance(model, LeveledModel)
 
 
-__all__ = ["ModelAdapter", "check_factory", "is_adaptable"]
+__all__ = [
+    "ModelAdapter",
+    "check_factory",
+    "infer_input_shape",
+    "is_adaptable",
+    "known_input_shape",
+]

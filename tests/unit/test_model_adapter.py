@@ -153,7 +153,7 @@ def test_plain_models_are_refused_where_fusion_would_break_them():
     nets = [TemplateNet(), TemplateNet()]
     with pytest.raises(ValueError, match="keeps the widths its class defines"):
         make_fusion_method("fedma").fuse(nets, _inputs())
-    with pytest.raises(ValueError, match="needs their input shape"):
+    with pytest.raises(ValueError, match="needs FusionInputs.data"):
         make_fusion_method("kf-linear").fuse(nets, FusionInputs())
     with pytest.raises(TypeError, match="several classes"):
         make_fusion_method("vanilla").fuse([nets[0], Residual()], _inputs())

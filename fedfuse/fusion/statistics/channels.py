@@ -13,11 +13,12 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
-from fedfuse.models import LeveledModel
+from fedfuse.models import LeveledModel, ModelAdapter
 
 
 @runtime_checkable
@@ -43,11 +44,14 @@ class LocalSites:
 
     The library's :class:`SiteChannel` (``fedfuse compare``, tests, notebooks): every request is
     answered by :func:`site_statistics` on each site's data, one site after the other.
+    ``models`` are fedfuse's leveled models or the user's own plain ``nn.Module`` s of one
+    class, adapted here (:class:`~fedfuse.models.ModelAdapter`, on the data's input shape;
+    they share the user's parameters).
     """
 
     def __init__(
         self,
-        models: Sequence[LeveledModel],
+        models: Sequence[LeveledModel | nn.Module],
         data: Sequence[torch.Tensor],
         *,
         batch_size: int = 256,
@@ -61,8 +65,12 @@ class LocalSites:
                 f"LocalSites: {len(sample_weights)} weight vectors for {len(data)} datasets"
             )
         self.sample_weights = None if sample_weights is None else list(sample_weights)
-        self.models = list(models)
         self.data = list(data)
+        #: one input's shape (a fusion of plain models without a fusion set traces with it)
+        self.input_shape: tuple[int, ...] | None = (
+            tuple(int(d) for d in self.data[0].shape[1:]) if self.data else None
+        )
+        self.models = _leveled(list(models), self.input_shape)
         self.batch_size = batch_size
         self.device = device
         #: why a site gave no statistics (:class:`SiteChannel`); in-process sites always answer
@@ -89,6 +97,22 @@ class LocalSites:
                 )
             )
         return replies
+
+
+def _leveled(
+    models: list[LeveledModel | nn.Module], input_shape: tuple[int, ...] | None
+) -> list[LeveledModel]:
+    """``models`` as leveled models: plain modules adapted on ``input_shape``."""
+    plain = [m for m in models if not isinstance(m, LeveledModel)]
+    if not plain:
+        return models
+    classes = sorted({type(m).__name__ for m in models})
+    if len(plain) != len(models) or len(classes) != 1:
+        raise TypeError(f"LocalSites: models of several classes {classes}; give models of one")
+    if input_shape is None:
+        raise ValueError("LocalSites: no site data to take the plain models' input shape from")
+    adapter = ModelAdapter.of(plain[0], input_shape)
+    return [adapter.adapt(m) for m in plain]
 
 
 def check_reply(
