@@ -3,8 +3,9 @@
 For every registered method (default options): what the sites must send besides their weights,
 what the server must hold, how many models it fuses, and which architectures it accepts. The
 architecture column asks each method's own pre-training check (``check_run``) on a model of
-each of fedfuse's architectures and on an adapted plain ``nn.Module`` chain, built on the meta
-device, so it says exactly what a run would say before any site trains.
+each of fedfuse's architectures and on two adapted plain ``nn.Module`` s (a chain, and a CNN
+with BatchNorm and a residual add), built on the meta device, so it says exactly what a run
+would say before any site trains.
 """
 
 from __future__ import annotations
@@ -42,12 +43,37 @@ class _PlainChain(nn.Module):
         return self.fc(self.pool(self.conv(x).relu()).flatten(1))
 
 
+class _PlainResidual(nn.Module):
+    """A user's plain CNN with BatchNorm and a residual add, for the architecture column."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = self.bn1(self.conv1(x)).relu()
+        x = (x + self.bn2(self.conv2(x))).relu()
+        return self.fc(self.pool(x).flatten(1))
+
+
+#: the plain models' columns: a chain of layers, and a model with residuals and normalisation
+PLAIN_CHAIN, PLAIN_RESIDUAL = "plain nn.Module", "plain residual+norm"
+
+
 def architectures() -> dict[str, ModelSpec]:
-    """A spec of each of fedfuse's architectures and of an adapted plain chain."""
+    """A spec of each of fedfuse's architectures, of an adapted plain chain and of an adapted
+    plain model with a residual add and BatchNorm."""
     shape = (1, 28, 28)
     archs = ("mlp", "vgg11", "lenet5", "resnet", "vit")
     specs = {arch: make_spec(arch, shape, 10) for arch in archs}
-    specs["plain nn.Module"] = ModelAdapter(_PlainChain, shape, name="plain-chain").register().spec
+    specs[PLAIN_CHAIN] = ModelAdapter(_PlainChain, shape, name="plain-chain").register().spec
+    residual = ModelAdapter(_PlainResidual, shape, name="plain-residual").register()
+    specs[PLAIN_RESIDUAL] = residual.spec
     return specs
 
 
@@ -64,7 +90,7 @@ def describe(method: FusionMethod, specs: dict[str, ModelSpec]) -> dict[str, obj
     for name, spec in specs.items():
         try:
             method.check_run(2, spec)
-            plain = name != "plain nn.Module" or not method.chooses_widths
+            plain = name not in (PLAIN_CHAIN, PLAIN_RESIDUAL) or not method.chooses_widths
             accepts[name] = "yes" if plain else "no: it changes the widths a class defines"
         except ValueError as error:
             accepts[name] = f"no: {str(error).split(': ', 1)[-1]}"
@@ -101,7 +127,11 @@ def methods_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     for line in [header, ["-" * w for w in widths], *table]:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
-    print("(why a method refuses an architecture: fedfuse methods --json)")
+    print(
+        f"({PLAIN_CHAIN}: your own model, a chain of Linear/Conv2d layers; {PLAIN_RESIDUAL}: "
+        "your own model with residual adds and BatchNorm/LayerNorm, e.g. torchvision's resnet18; "
+        "why a method refuses an architecture: fedfuse methods --json)"
+    )
     return 0
 
 
