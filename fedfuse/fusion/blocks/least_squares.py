@@ -28,8 +28,10 @@ Both are mean squared errors per row, summed over output columns (each optionall
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
 
 import torch
 
@@ -274,8 +276,45 @@ def gcv_scores(
     return torch.tensor(scores, dtype=torch.float64)
 
 
+RidgeScores = Callable[[Sequence[float], torch.Tensor | None], torch.Tensor]
+
+
+class _RidgeSelection:
+    """The ridge choice both routes share: a grid of ridges relative to ``scale``, scored by the
+    route's :attr:`criterion` (:func:`gcv_scores`, :func:`loo_scores`) that each route's
+    ``_scores_of(targets, target_norms)`` binds to the targets."""
+
+    criterion: ClassVar[str]
+    scale: float
+
+    def select_ridge(
+        self,
+        targets: torch.Tensor,
+        *,
+        target_norms: torch.Tensor | None = None,
+        column_weights: torch.Tensor | None = None,
+        grid: Sequence[float] = RIDGE_GRID,
+    ) -> RidgeChoice:
+        """The grid's ridge of least :attr:`criterion` (ties: the smaller; all undefined: the
+        largest): GCV of targets in coordinates ``(r, k)`` whose unprojected squared norms are
+        ``target_norms`` (``k``) on the gram route, exact leave-one-out error of targets ``(N, k)``
+        on the kernel route (no ``target_norms``: the targets are not projected)."""
+        penalties = [r * self.scale for r in grid]
+        scores = self._scores_of(targets, target_norms)(penalties, column_weights)
+        if len(grid) == 0:
+            raise ValueError("the ridge grid is empty")
+        values = [s if math.isfinite(s) else math.inf for s in scores.tolist()]
+        best = min(range(len(grid)), key=lambda i: (values[i], grid[i]))
+        if values[best] == math.inf:
+            best = max(range(len(grid)), key=lambda i: grid[i])
+        ridge = float(grid[best])
+        return RidgeChoice(
+            ridge, ridge * self.scale, self.criterion, tuple(grid), tuple(scores.tolist())
+        )
+
+
 @dataclass
-class GramSpectrum:
+class GramSpectrum(_RidgeSelection):
     r"""``G = X^T X = V diag(e) V^T`` (directions above the cut-off): one factorisation that
     gives the grouping coordinates (``Q = X V diag(e)^{-1/2}``), the GCV over a ridge grid and the
     fit ``W = V diag(sqrt(e) / (e + lambda)) t`` of targets given in coordinates ``t``."""
@@ -286,6 +325,7 @@ class GramSpectrum:
     rows: int  # n, the design's rows
 
     uses_kernel = False
+    criterion = "gcv"
 
     @property
     def rank(self) -> int:
@@ -301,27 +341,14 @@ class GramSpectrum:
         e = self.values
         return self.vectors @ ((e.sqrt() / (e + ridge * self.scale))[:, None] * targets.double())
 
-    def select_ridge(
-        self,
-        targets: torch.Tensor,
-        *,
-        target_norms: torch.Tensor | None = None,
-        column_weights: torch.Tensor | None = None,
-        grid: Sequence[float] = RIDGE_GRID,
-    ) -> RidgeChoice:
-        """The grid's ridge of least GCV for targets in coordinates ``(r, k)``, whose
-        unprojected squared norms are ``target_norms`` (``k``)."""
+    def _scores_of(self, targets: torch.Tensor, target_norms: torch.Tensor | None) -> RidgeScores:
         if target_norms is None:
             raise ValueError("GCV needs target_norms, the squared norms of the unprojected targets")
-        penalties = [r * self.scale for r in grid]
-        scores = gcv_scores(
-            self.values, targets, target_norms, self.rows, penalties, column_weights
-        )
-        return _choose("gcv", grid, scores, self.scale)
+        return partial(gcv_scores, self.values, targets, target_norms, self.rows)
 
 
 @dataclass
-class KernelSpectrum:
+class KernelSpectrum(_RidgeSelection):
     r"""``K = X X^T = U diag(e) U^T`` for designs with fewer rows than columns: the outputs are
     their own coordinates, the exact leave-one-out error is scanned over a ridge grid and the fit
     is ``W = X^T U diag(1 / (e + lambda)) U^T T``."""
@@ -333,6 +360,7 @@ class KernelSpectrum:
     rank: int  # eigenvalues above the jitter
 
     uses_kernel = True
+    criterion = "loo"
 
     def coordinates(self, xtz: torch.Tensor | None = None, z: torch.Tensor | None = None):
         """The outputs ``Z`` themselves (the identity is the basis)."""
@@ -345,20 +373,8 @@ class KernelSpectrum:
         inverse = 1.0 / (self.values + ridge * self.scale)
         return self.design.T @ (u @ (inverse[:, None] * (u.T @ targets.double())))
 
-    def select_ridge(
-        self,
-        targets: torch.Tensor,
-        *,
-        target_norms: torch.Tensor | None = None,
-        column_weights: torch.Tensor | None = None,
-        grid: Sequence[float] = RIDGE_GRID,
-    ) -> RidgeChoice:
-        """The grid's ridge of least leave-one-out error for targets ``(N, k)``
-        (``target_norms`` is not needed: the targets are not projected)."""
-        del target_norms
-        penalties = [r * self.scale for r in grid]
-        scores = loo_scores(self.values, self.vectors, targets, penalties, column_weights)
-        return _choose("loo", grid, scores, self.scale)
+    def _scores_of(self, targets: torch.Tensor, target_norms: torch.Tensor | None) -> RidgeScores:
+        return partial(loo_scores, self.values, self.vectors, targets)
 
 
 def gram_spectrum(gram: torch.Tensor, *, rows: int, rcond: float = 1e-10) -> GramSpectrum:
@@ -435,20 +451,6 @@ def _column_weights(weights: torch.Tensor | None, targets: torch.Tensor) -> torc
     if len(w) != k:
         raise ValueError(f"column_weights has {len(w)} entries for {k} target columns")
     return w
-
-
-def _choose(
-    criterion: str, grid: Sequence[float], scores: torch.Tensor, scale: float
-) -> RidgeChoice:
-    """The grid value of least score (ties: the smaller ridge; all undefined: the largest)."""
-    if len(grid) == 0:
-        raise ValueError("the ridge grid is empty")
-    values = [s if math.isfinite(s) else math.inf for s in scores.tolist()]
-    best = min(range(len(grid)), key=lambda i: (values[i], grid[i]))
-    if values[best] == math.inf:
-        best = max(range(len(grid)), key=lambda i: grid[i])
-    ridge = float(grid[best])
-    return RidgeChoice(ridge, ridge * scale, criterion, tuple(grid), tuple(scores.tolist()))
 
 
 @dataclass
