@@ -111,9 +111,9 @@ class FusionMethod(ABC):
         ``models`` are fedfuse's :class:`LeveledModel` s or instances of one plain
         ``nn.Module`` class: those are adapted (:class:`~fedfuse.models.ModelAdapter`, on the
         input shape of ``inputs.data``, else the sites', the class's last adapter's or one its
-        first layer takes: methods without a fusion set need none) and the fused model comes back as that class. A single
-        model with another ``target`` (narrower, or shallower) is *compression* (paper Sec.
-        5.5.2), open to retargetable methods.
+        first layer takes: methods without a fusion set need none) and the fused model comes
+        back as that class. A single model with another ``target`` (narrower, or shallower) is
+        *compression* (paper Sec. 5.5.2), open to retargetable methods.
         """
         inputs = inputs or FusionInputs()
         # a lazy sequence (fedfuse.federation.uploads) loads each model once here
