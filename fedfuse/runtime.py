@@ -1,4 +1,8 @@
-"""Devices and seeding: the two pieces of global state every entry point must set the same way."""
+"""Devices and seeding: the two pieces of global state every entry point must set the same way.
+
+Light to import: PyTorch and NumPy are imported by the functions that use them, so that the
+command line can configure logging (:func:`configure_logging`) without loading them.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,16 @@ import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """Return the torch device for ``device``; ``"auto"`` picks CUDA when present, else the CPU."""
+    import torch
+
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -27,6 +34,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 def check_device(device: object) -> str:
     """``device`` if it names a device (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...), else a
     ValueError saying what is accepted; whether CUDA is present is checked when it is used."""
+    import torch
+
     if isinstance(device, str) and device == "auto":
         return device
     try:
@@ -44,6 +53,9 @@ def seed_everything(seed: int) -> torch.Generator:
     Prefer passing the returned generator (or the seed) explicitly; the global seeding only
     guards third-party code that draws from the global streams.
     """
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -60,6 +72,8 @@ def row_major(x: torch.Tensor) -> torch.Tensor:
     stride-2 convolution on channels-last batches with 3-4 input channels corrupts the heap on
     one CPU thread (``tests/unit/test_data.py``), so data entering fedfuse is kept NCHW.
     """
+    import torch
+
     strides, step = [], 1
     for size in reversed(x.shape):
         strides.append(step)
@@ -74,6 +88,8 @@ def capped_threads(num_threads: int | None) -> Iterator[None]:
     """Cap torch's intra-op threads to ``num_threads`` for the block (several simulated sites
     share a few cores), then restore the count found: a site run in the caller's process (a
     test, ``fedfuse compare``, a library user) leaves the process as it was. None or 0: no cap."""
+    import torch
+
     found = torch.get_num_threads()
     if num_threads is not None and num_threads > 0:
         torch.set_num_threads(num_threads)
@@ -112,6 +128,7 @@ class PeakMemory:
         import threading
 
         import psutil
+        import torch
 
         process = psutil.Process()
         self._start = process.memory_info().rss
@@ -130,6 +147,7 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         import psutil
+        import torch
 
         self._done.set()
         self._thread.join()

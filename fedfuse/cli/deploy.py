@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from fedfuse.data.arrays import DEFAULT_MAX_CLASSES, SiteSummary
-from fedfuse.data.images import DEFAULT_MAX_SIDE
-from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
 from fedfuse.deploy.credentials import (
     LOOPBACK_NAMES,
     fingerprint,
     make_server_certificates,
     make_supernode_keys,
 )
+from fedfuse.io.limits import DEFAULT_MAX_BYTES, DEFAULT_MAX_CLASSES, DEFAULT_MAX_SIDE, format_bytes
+
+if TYPE_CHECKING:
+    from fedfuse.data.arrays import SiteSummary
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -10,27 +10,9 @@ import argparse
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedfuse.federation.evaluation import format_level_summary
-from fedfuse.federation.offline import (
-    SPEC_HELP,
-    FusionSetSpec,
-    check_data_fits,
-    describe_spec,
-    fuse_checkpoints,
-    fuse_pool,
-    run_fusion_set,
-    run_pool,
-)
-from fedfuse.fusion import (
-    FUSION_METHODS,
-    make_fusion_method,
-    parse_options,
-)
 from fedfuse.io.atomic import json_safe
-from fedfuse.io.checkpoint import read_metadata, save_checkpoint
-from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.settings.bounds import (
     DEFAULT_MAX_FUSED_PARAMETERS,
     Range,
@@ -38,8 +20,25 @@ from fedfuse.settings.bounds import (
     parse_widths,
 )
 
+if TYPE_CHECKING:
+    from fedfuse.models import LeveledModel, ModelSpec
+
 
 # ---------------------------------------------------------------------------------- CLI
+class _Help(argparse.HelpFormatter):
+    """Fills in ``{methods}`` (the registered fusion methods) and ``{spec}`` (the data-spec
+    syntax) when the help is shown: both live in modules that import PyTorch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        if text is None or "{" not in text:
+            return text
+        from fedfuse.federation.offline import SPEC_HELP
+        from fedfuse.fusion import FUSION_METHODS
+
+        return text.format(methods=", ".join(sorted(FUSION_METHODS)), spec=SPEC_HELP)
+
+
 def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``fuse`` subcommand to ``subparsers`` (from ``add_subparsers``); return it."""
     parser = subparsers.add_parser(
@@ -49,6 +48,7 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
             "Fuse two or more checkpoints with a registered fusion method and write the fused "
             "model as a checkpoint recording the method, options, sources and per-level details."
         ),
+        formatter_class=_Help,
     )
     parser.add_argument(
         "checkpoints",
@@ -56,10 +56,8 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
         metavar="CKPT",
         help="checkpoints to fuse, or one run directory (its saved uploads are fused again)",
     )
-    parser.add_argument(
-        "--method", default="kf-linear", help=f"fusion method: {', '.join(sorted(FUSION_METHODS))}"
-    )
-    parser.add_argument("--fusion-data", metavar="SPEC", help=f"the fusion set: {SPEC_HELP}")
+    parser.add_argument("--method", default="kf-linear", help="fusion method: {methods}")
+    parser.add_argument("--fusion-data", metavar="SPEC", help="the fusion set: {spec}")
     parser.add_argument(
         "--option",
         action="append",
@@ -95,6 +93,19 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
 
 def fuse_command(args: argparse.Namespace) -> int:
     """Handler of ``fedfuse fuse``: fuse checkpoint files, or the uploads of a saved run."""
+    from fedfuse.federation.evaluation import format_level_summary
+    from fedfuse.federation.offline import (
+        FusionSetSpec,
+        check_data_fits,
+        describe_spec,
+        fuse_checkpoints,
+        fuse_pool,
+        run_fusion_set,
+        run_pool,
+    )
+    from fedfuse.fusion import make_fusion_method, parse_options
+    from fedfuse.io.checkpoint import save_checkpoint
+
     # Everything cheap is checked before anything is loaded or fused.
     options = parse_options(args.option)
     if args.progress and "progress" in _accepted(args.method):
@@ -184,6 +195,9 @@ def fuse_command(args: argparse.Namespace) -> int:
 def _first_spec(path: str) -> ModelSpec | None:
     """The model spec a checkpoint's metadata records (None when it cannot be read: loading
     the checkpoint then reports the broken file)."""
+    from fedfuse.io.checkpoint import read_metadata
+    from fedfuse.models import ModelSpec
+
     try:
         return ModelSpec.from_dict(read_metadata(path).get("model"))
     except (ValueError, AttributeError, OSError):
@@ -214,5 +228,7 @@ def _default_output(run_dir: Path | None, method: str) -> Path:
 
 
 def _accepted(method: str) -> list[str]:
+    from fedfuse.fusion import FUSION_METHODS
+
     cls = FUSION_METHODS.get(method)
     return cls.accepted_options() if cls else []

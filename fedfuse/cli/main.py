@@ -13,7 +13,9 @@ import logging
 import sys
 from typing import NoReturn
 
-from fedfuse.cli import deploy, doctor, fuse, methods, predict, run_app, simulate, status
+# light modules: each imports PyTorch (and the fusion, data and model stack) only in the
+# handler of a command that needs it, so parsing and the light commands stay fast
+from fedfuse.cli import deploy, doctor, fuse, methods, predict, run_app, simulate, speed, status
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("path")
     insp.set_defaults(handler=inspect_checkpoint)
 
-    from fedfuse.experiments import scale, speed
+    from fedfuse.experiments import scale
 
     fuse.register_cli(commands)
     methods.register_cli(commands)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from fedfuse.fusion import FUSION_METHODS, FusionMethod, make_fusion_method
-from fedfuse.models import ModelAdapter, ModelSpec, make_spec
+if TYPE_CHECKING:
+    from fedfuse.fusion import FusionMethod
+    from fedfuse.models import ModelSpec
 
 #: what each FusionInputs field asks of whom
 SITE_INPUTS = {
@@ -30,37 +30,6 @@ SITE_INPUTS = {
 SERVER_INPUTS = {"data": "fusion set", "labels": "fusion-set labels"}
 
 
-class _PlainChain(nn.Module):
-    """A user's plain CNN (as in Flower's PyTorch template), for the architecture column."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.pool = nn.MaxPool2d(2)
-        self.fc = nn.Linear(4 * 13 * 13, 10)
-
-    def forward(self, x):
-        return self.fc(self.pool(self.conv(x).relu()).flatten(1))
-
-
-class _PlainResidual(nn.Module):
-    """A user's plain CNN with BatchNorm and a residual add, for the architecture column."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(4)
-        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(4)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(4, 10)
-
-    def forward(self, x):
-        x = self.bn1(self.conv1(x)).relu()
-        x = (x + self.bn2(self.conv2(x))).relu()
-        return self.fc(self.pool(x).flatten(1))
-
-
 #: the plain models' columns: a chain of layers, and a model with residuals and normalisation
 PLAIN_CHAIN, PLAIN_RESIDUAL = "plain nn.Module", "plain residual+norm"
 
@@ -68,6 +37,9 @@ PLAIN_CHAIN, PLAIN_RESIDUAL = "plain nn.Module", "plain residual+norm"
 def architectures() -> dict[str, ModelSpec]:
     """A spec of each of fedfuse's architectures, of an adapted plain chain and of an adapted
     plain model with a residual add and BatchNorm."""
+    from fedfuse.cli._plain_models import _PlainChain, _PlainResidual
+    from fedfuse.models import ModelAdapter, make_spec
+
     shape = (1, 28, 28)
     archs = ("mlp", "vgg11", "lenet5", "resnet", "vit")
     specs = {arch: make_spec(arch, shape, 10) for arch in archs}
@@ -107,6 +79,8 @@ def describe(method: FusionMethod, specs: dict[str, ModelSpec]) -> dict[str, obj
 
 def methods_command(args: argparse.Namespace) -> int:
     """Print the registry as a table (or JSON with ``--json``)."""
+    from fedfuse.fusion import FUSION_METHODS, make_fusion_method
+
     specs = architectures()
     rows = [describe(make_fusion_method(name), specs) for name in sorted(FUSION_METHODS)]
     if args.json:

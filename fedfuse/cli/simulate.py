@@ -214,8 +214,6 @@ def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, i
 
 def simulate(args: argparse.Namespace) -> int:
     """Run the app as a local simulation and report its result file's status."""
-    from fedfuse.federation.evaluation import format_run_summary
-
     if not args.overrides:
         args.num_clients = args.num_clients or 2
     app = _find_app(args.app)
@@ -320,6 +318,8 @@ def simulate(args: argparse.Namespace) -> int:
         )
         + f", run {report['wall_seconds']:.0f} s"
     )
+    from fedfuse.federation.evaluation import format_run_summary
+
     print(format_run_summary(report))
     on_nodes = collections.Counter(site.get("ray_node") for site in report.get("sites", []))
     on_nodes.pop(None, None)

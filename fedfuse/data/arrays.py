@@ -29,6 +29,7 @@ from fedfuse.data._common import DataFormatError
 from fedfuse.data.dataset import ImageDataset
 from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, ArrayHeader, NpzReader
 from fedfuse.io.atomic import atomic_path
+from fedfuse.io.limits import DEFAULT_MAX_CLASSES
 
 __all__ = [
     "DEFAULT_MAX_CLASSES",
@@ -51,9 +52,6 @@ REQUIRED_KEYS = ("images", "labels", "num_classes")
 OPTIONAL_KEYS = ("mean", "std", "class_names")
 #: Smallest per-channel std accepted: below it normalisation divides by (almost) zero.
 MIN_STD = 1e-6
-#: Most classes a file (or a converter) may declare unless raised: 1e8 classes would make a
-#: model's last layer, and every per-class count, take gigabytes.
-DEFAULT_MAX_CLASSES = 10_000
 #: Longest class name accepted (characters).
 MAX_CLASS_NAME = 200
 #: Bytes of images summed at a time when statistics are measured.

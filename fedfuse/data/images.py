@@ -17,6 +17,7 @@ import numpy as np
 
 from fedfuse.data._common import DataFormatError
 from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, format_bytes
+from fedfuse.io.limits import DEFAULT_MAX_SIDE
 
 __all__ = [
     "DEFAULT_MAX_SIDE",
@@ -28,8 +29,6 @@ __all__ = [
 ]
 
 Shape = tuple[int, int, int]
-#: Largest image height or width a converter makes unless raised.
-DEFAULT_MAX_SIDE = 2048
 
 
 def parse_shape(text: str, *, max_side: int = DEFAULT_MAX_SIDE, name: str = "shape") -> Shape:

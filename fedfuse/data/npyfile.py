@@ -27,6 +27,7 @@ from typing import IO
 import numpy as np
 
 from fedfuse.data._common import DataFormatError
+from fedfuse.io.limits import DEFAULT_MAX_BYTES, format_bytes
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -36,22 +37,12 @@ __all__ = [
     "read_npy",
 ]
 
-#: Most bytes of array data one file may hold (and so make us allocate), unless raised.
-DEFAULT_MAX_BYTES = 4 << 30
 #: Deflate never expands more than ~1032:1; a member claiming more is forged.
 _DEFLATE_RATIO = 1032
 _CHUNK_BYTES = 16 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
 _READ_ERRORS = (OSError, ValueError, zipfile.BadZipFile, EOFError)
 _PICKLES = "it holds Python objects (pickles are refused)"
-
-
-def format_bytes(n: int) -> str:
-    """``n`` bytes in a short human form (``1.9 kB``, ``73.0 GiB``)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("kB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _limit_hint(max_bytes: int) -> str:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from fedfuse.experiments.speed_options import ARCHS as ARCHS  # light, for the CLI
+from fedfuse.experiments.speed_options import DEFAULT_METHODS
 from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
 from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.methods.regression.regmean import level_grams
@@ -44,8 +46,6 @@ log = logging.getLogger(__name__)
 
 #: The paper's Table 10 (seconds, VGG11 on CIFAR-10, 400 samples, uniform scores, RTX A5000).
 PAPER_VGG11_SECONDS = {"hf-linear": 14.2, "kf-linear": 78.3, "kf-gradient": 16.5}
-#: ``--arch`` choices
-ARCHS = ("vgg11", "mlp", "lenet5", "resnet", "vit")
 #: the architecture options of ``resnet`` and ``vit`` unless ``model_options`` set them
 #: (resnet: ResNet-18 at width 1, its stem the CIFAR one on inputs up to 64 pixels; vit: the
 #: spec builder's defaults, the paper's CIFAR ViT)
@@ -54,8 +54,6 @@ DEFAULT_MODEL_OPTIONS: dict[str, dict[str, Any]] = {
     "vit": {},
     "lenet5": {},
 }
-#: the default ``--methods`` per architecture (``all``: every method that accepts it)
-DEFAULT_METHODS = {"vgg11": "vanilla,hf-linear,kf-linear,kf-gradient", "mlp": "vanilla,hf-linear"}
 #: the :class:`FusionInputs` fields the benchmark builds (Grams only when a method reads them)
 PROVIDED_INPUTS = frozenset(
     {"data", "labels", "sample_counts", "class_counts", "grams", "fisher", "sites"}
@@ -366,42 +364,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_speed_table(rows, header))
     return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    """Add ``fedfuse speed`` to the CLI's subcommands."""
-    parser = subparsers.add_parser("speed", help="time and memory of fusing N models (default 2)")
-    parser.add_argument(
-        "--methods",
-        default=None,
-        help='comma list, or "all" (every method that accepts the architecture); default: '
-        f"{DEFAULT_METHODS['vgg11']} for vgg11, all for resnet and vit",
-    )
-    parser.add_argument("--arch", default="vgg11", choices=list(ARCHS))
-    parser.add_argument(
-        "--width", type=float, default=1.0, help="vgg11 width multiplier, or the mlp's hidden width"
-    )
-    parser.add_argument(
-        "--model-options",
-        default="",
-        help='spec options, "k=v ...": resnet depth=18 width_multiplier=1.0 stem=cifar; '
-        "vit patch=8 depth=7 heads=12 hidden=384 mlp=384 (the defaults)",
-    )
-    parser.add_argument("--input-shape", default="3,32,32")
-    parser.add_argument(
-        "--fusion-samples",
-        "--samples",
-        type=int,
-        default=DEFAULT_FUSION_SAMPLES,
-        help="samples in the (random) fusion set",
-    )
-    parser.add_argument("--models", type=int, default=2, help="how many models to fuse")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--device", default="auto", help="auto: CUDA when present")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument(
-        "--options",
-        default="",
-        help='method options, "k=v method.k=v ...": unprefixed ones go to every method taking them',
-    )
-    parser.set_defaults(handler=run)

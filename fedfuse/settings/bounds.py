@@ -14,9 +14,10 @@ import difflib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedfuse.models import ModelSpec, build_model
+if TYPE_CHECKING:  # the command line parses with these ranges: no PyTorch at import
+    from fedfuse.models import ModelSpec
 
 #: the widest hidden level (neurons or channels) a configured model may have
 MAX_WIDTH = 65_536
@@ -98,6 +99,8 @@ def parse_widths(text: str, what: str) -> list[int]:
 
 def parameter_count(spec: ModelSpec) -> int:
     """Parameters of a model of ``spec``, counted on the meta device (nothing allocated)."""
+    from fedfuse.models import build_model
+
     return sum(p.numel() for p in build_model(spec, device="meta").parameters())
 
 

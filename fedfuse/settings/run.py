@@ -8,7 +8,8 @@ Every entry point (the Flower apps, ``fedfuse simulate``, ``fedfuse compare`` th
 splits and models. What each key may hold, and how a run-config value is read, is
 :mod:`fedfuse.settings.run_config`.
 
-Defaults written once: :data:`DEFAULT_FUSION_SAMPLES` is the fusion set's size. The Hydra
+Defaults written once: :data:`DEFAULT_FUSION_SAMPLES` is the fusion set's size (written in
+:mod:`fedfuse.settings.defaults`, which the command line reads without PyTorch). The Hydra
 configs read it (``${fedfuse.default:fusion_samples}``, a resolver of
 :mod:`fedfuse.settings.hydra`); the Flower app's ``pyproject.toml`` cannot import, so
 ``tests/test_settings.py`` keeps its ``[tool.flwr.app.config]`` identical to these defaults.
@@ -36,6 +37,7 @@ from fedfuse.settings.bounds import (
     closest,
     parse_widths,
 )
+from fedfuse.settings.defaults import DEFAULT_FUSION_SAMPLES
 from fedfuse.settings.run_config import (
     MODELS,
     RUN_CONFIG_KEY,
@@ -44,10 +46,6 @@ from fedfuse.settings.run_config import (
     run_config_key,
 )
 from fedfuse.training.loop import TrainConfig
-
-#: samples in the server's fusion set (run config ``fusion-samples``, Hydra
-#: ``fusion_set.samples``; the paper's 400)
-DEFAULT_FUSION_SAMPLES = 400
 
 
 @dataclass(frozen=True)

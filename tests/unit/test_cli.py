@@ -1,4 +1,7 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +47,28 @@ def test_inspect_validates_and_prints_metadata(tmp_path, capsys):
     path.write_bytes(b"not a checkpoint")
     assert main(["inspect", str(path)]) == 2
     assert "not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_the_command_line_parses_without_pytorch():
+    """Every ``fedfuse`` process builds the whole parser; ``status``, ``certs``, ``keys``,
+    ``run-app`` and the ``simulate`` parent must not pay ~3 s of CPU for PyTorch to do it."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "from fedfuse.cli.main import build_parser, main\n"
+        "build_parser()\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['status', '--help'])\n"
+        "heavy = ('torch', 'fedfuse.fusion', 'fedfuse.models', 'fedfuse.data')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.strip()
+    assert loaded == "[]"
 
 
 def test_unknown_partitioner_is_a_usage_error():
