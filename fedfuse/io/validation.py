@@ -20,7 +20,7 @@ import torch
 
 from fedfuse.io.grams import is_gram_factor
 from fedfuse.models import LeveledModel, ModelSpec, build_model
-from fedfuse.models.affine import affine_view
+from fedfuse.models.affine import affine_view, gram_levels
 from fedfuse.models.importance import Scores
 
 #: largest sample count a site may report: far above any real site, small enough to stay exact
@@ -139,16 +139,18 @@ def validate_grams(
 ) -> dict[int, torch.Tensor]:
     """Check a site's level Gram matrices ``X^T X`` and return them as float64.
 
-    One per neuron level, with the level's design width ``d`` (fan-in plus the bias column),
-    finite, and either the ``d x d`` matrix, symmetric and positive semi-definite (as every
-    ``X^T X`` is; one that is not cannot have come from data, and would make RegMean's solve
-    meaningless), or its factor ``R`` (``r x d``, ``r < d``: :mod:`fedfuse.io.grams`), which
-    is positive semi-definite by construction and is kept as the factor.
+    One per level that has a Gram (:func:`~fedfuse.models.affine.gram_levels`: not a user's
+    BatchNorm cut as a level of its own), with the level's design width ``d`` (fan-in plus the
+    bias column), finite, and either the ``d x d`` matrix, symmetric and positive semi-definite
+    (as every ``X^T X`` is; one that is not cannot have come from data, and would make RegMean's
+    solve meaningless), or its factor ``R`` (``r x d``, ``r < d``: :mod:`fedfuse.io.grams`),
+    which is positive semi-definite by construction and is kept as the factor.
     """
 
-    if sorted(grams) != model.neuron_levels:
+    expected = gram_levels(model)
+    if sorted(grams) != expected:
         raise ContributionError(
-            f"{source}: Gram matrices for levels {sorted(grams)}, expected {model.neuron_levels}"
+            f"{source}: Gram matrices for levels {sorted(grams)}, expected {expected}"
         )
     checked: dict[int, torch.Tensor] = {}
     for level, gram in grams.items():

@@ -168,3 +168,42 @@ def _patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     padded = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
     windows = padded.unfold(2, kh, sh).unfold(3, kw, sw)  # (B, C, H_out, W_out, kh, kw)
     return windows.permute(0, 2, 3, 1, 4, 5).reshape(-1, x.shape[1] * kh * kw)
+
+
+def mergeable(module: nn.Module) -> bool:
+    """Whether RegMean merges ``module`` by its Gram: an ``nn.Linear``, or an ``nn.Conv2d``
+    without groups, dilation-free or not, zero-padded by explicit amounts."""
+    if isinstance(module, nn.Linear):
+        return True
+    return (
+        isinstance(module, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and isinstance(module.padding, tuple)
+    )
+
+
+def mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The :func:`mergeable` modules inside ``level`` (not the level itself), by name."""
+    return [(name, m) for name, m in level.named_modules() if name and mergeable(m)]
+
+
+def module_gram_levels(model: Any) -> list[int]:
+    """The neuron levels of a leveled ``model`` that are not affine but hold a mergeable module:
+    each has one Gram, the block-diagonal of its modules' (RegMean's
+    :func:`~fedfuse.fusion.statistics.grams.module_grams_layout`)."""
+    return [
+        i
+        for i in model.neuron_levels
+        if affine_view(model.levels[i]) is None and mergeable_modules(model.levels[i])
+    ]
+
+
+def gram_levels(model: Any) -> list[int]:
+    """The neuron levels a site sends a Gram of: the affine ones and those holding a mergeable
+    module. Any other level (a user's BatchNorm cut as a level of its own) has no Gram: RegMean
+    averages its parameters."""
+    grams = set(module_gram_levels(model))
+    return [
+        i for i in model.neuron_levels if i in grams or affine_view(model.levels[i]) is not None
+    ]

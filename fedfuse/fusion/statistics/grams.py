@@ -17,7 +17,15 @@ from fedfuse.fusion.blocks.space_alignment import align_model, match_spaces
 from fedfuse.fusion.statistics.privacy import GaussianStatistics, clip_samples, noisy_moments
 from fedfuse.io.grams import gram_factor, is_gram_factor
 from fedfuse.models import LeveledModel
-from fedfuse.models.affine import _patches, affine_view, output_rows
+from fedfuse.models.affine import (
+    _patches,
+    affine_view,
+    gram_levels,
+    mergeable,
+    mergeable_modules,
+    module_gram_levels,
+    output_rows,
+)
 from fedfuse.models.capture import hooked, run_batches
 from fedfuse.models.symmetry import FeatureSpace
 
@@ -38,23 +46,6 @@ class GramBlock:
     modules: tuple[str, ...]
     size: int
     bias: bool
-
-
-def mergeable(module: nn.Module) -> bool:
-    """Whether RegMean merges ``module`` by its Gram: an ``nn.Linear``, or an ``nn.Conv2d``
-    without groups, dilation-free or not, zero-padded by explicit amounts."""
-    if isinstance(module, nn.Linear):
-        return True
-    return (
-        isinstance(module, nn.Conv2d)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-        and isinstance(module.padding, tuple)
-    )
-
-
-def _mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in level.named_modules() if name and mergeable(m)]
 
 
 def _reading(module: nn.Module) -> tuple[Any, ...]:
@@ -81,7 +72,7 @@ def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
     it the same way (same kernel, stride, padding, or both linear; both biased or both not)
     share a block. Modules the forward never calls get no block (they are averaged).
     """
-    levels = [i for i in model.neuron_levels if affine_view(model.levels[i]) is None]
+    levels = module_gram_levels(model)
     seen: dict[tuple[int, str], torch.Tensor] = {}  # the inputs are kept alive: ids stay unique
 
     def record(key: tuple[int, str], _module: nn.Module, args: tuple[Any, ...], _: None) -> None:
@@ -90,7 +81,7 @@ def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
     watched = {
         (level, name): module
         for level in levels
-        for name, module in _mergeable_modules(model.levels[level])
+        for name, module in mergeable_modules(model.levels[level])
     }
     device = next(model.parameters()).device
     probe = torch.zeros(1, *model.spec.input_shape, device=device)
@@ -100,7 +91,7 @@ def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
     for level in levels:
         groups: dict[tuple[Any, ...], list[str]] = {}
         sizes: dict[tuple[Any, ...], tuple[int, bool]] = {}
-        for name, module in _mergeable_modules(model.levels[level]):
+        for name, module in mergeable_modules(model.levels[level]):
             if (level, name) not in seen:
                 continue
             key = (id(seen[level, name]), _reading(module), _has_bias(module))
@@ -245,7 +236,14 @@ def level_grams(
     return dict(sorted(grams.items()))
 
 
-__all__ = ["GramBlock", "level_grams", "mergeable", "module_grams_layout"]
+__all__ = [
+    "GramBlock",
+    "gram_levels",
+    "level_grams",
+    "mergeable",
+    "module_gram_levels",
+    "module_grams_layout",
+]
 
 
 def align_grams(

@@ -40,13 +40,17 @@ transformers: every ``nn.Linear`` and ``nn.Conv2d`` inside the level (a *mergeab
 the same closed form with the Gram of its own inputs (unfolded patches for convolutions; a
 trailing 1 only when the module has a bias), and every other parameter and buffer (LayerNorm and
 BatchNorm affine parameters and running statistics, class token, position embedding) by the
-plain average. Modules that read the same tensor the same way (a ViT's ``q``, ``k`` and ``v``)
-share one Gram. So that such a level still travels as one ``{level: Gram}`` entry (the upload,
-checkpoint and validation formats are unchanged), its modules' Grams are packed into one
-block-diagonal matrix, in the order :func:`module_grams_layout` gives; a block-diagonal of Grams
-is itself the Gram of a (block-structured) design matrix, symmetric and positive semi-definite,
-so the sites' uploads are validated as before. The zero blocks cost memory (about twice the
-blocks' own size for a ResNet block, four times for a ViT block).
+average, weighted by the sites' sample counts when they are given (plain otherwise). A user's
+own model (:class:`~fedfuse.models.ModelAdapter`, e.g. a CNN with BatchNorm and residual adds)
+is merged the same way, by parameter name: a level that holds no Linear or Conv2d (a BatchNorm
+cut as a level of its own) has no Gram and is averaged whole. Modules that read the same tensor
+the same way (a ViT's ``q``, ``k`` and ``v``) share one Gram. So that such a level still travels
+as one ``{level: Gram}`` entry (the upload, checkpoint and validation formats are unchanged),
+its modules' Grams are packed into one block-diagonal matrix, in the order
+:func:`module_grams_layout` gives; a block-diagonal of Grams is itself the Gram of a
+(block-structured) design matrix, symmetric and positive semi-definite, so the sites' uploads
+are validated as before. The zero blocks cost memory (about twice the blocks' own size for a
+ResNet block, four times for a ViT block).
 
 Reference:
     X. Jin, X. Ren, D. Preotiuc-Pietro, P. Cheng. *Dataless Knowledge Fusion by Merging Weights
@@ -63,6 +67,7 @@ import torch
 from fedfuse.fusion.base import FusionInputs, FusionMethod
 from fedfuse.fusion.blocks.pieces import check_affine_intercept
 from fedfuse.fusion.blocks.space_alignment import check_feature_spaces
+from fedfuse.fusion.inputs import sample_counts
 from fedfuse.fusion.methods.regression.regmean_sums import (
     GramTermsRequest,
     level_mechanisms,
@@ -82,8 +87,8 @@ from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.fusion.statistics.budget import PrivacyBudget
 from fedfuse.fusion.statistics.grams import (
     GramBlock,
-    _mergeable_modules,
     align_sites,
+    gram_levels,
     level_grams,
     mergeable,
     module_grams_layout,
@@ -187,23 +192,26 @@ class RegMean(FusionMethod):
         return frozenset({"sites"} | ({"data"} if self.dp_epsilon and not self.dp_clip else set()))
 
     def needs(self) -> frozenset[str]:
-        # a secure channel's fixed units come from the fusion set and the sample counts
-        extra = {"data", "sample_counts"} if self.grams == "sums" else set()
+        # a secure channel's fixed units come from the fusion set and the sample counts; the
+        # parameters no Gram merges are averaged weighted by the sample counts when given
+        extra = {"data", "sample_counts"} if self.grams == "sums" else {"sample_counts"}
         return self.requirements() | extra
 
     def check_architecture(self, model: LeveledModel) -> None:
-        """Every neuron level must be affine or hold at least one Linear/Conv2d to merge; with
+        """Some neuron level must be affine or hold a Linear/Conv2d to merge (a level with
+        neither, e.g. a user's BatchNorm cut as a level of its own, is averaged); with
         ``align``, the architecture's symmetries must be described."""
         if self.align != "none":
             check_feature_spaces(model)
+        grams = set(gram_levels(model))
+        if not grams:
+            raise ValueError(
+                "no level is affine or holds a Linear or Conv2d (groups=1, zero padding) to "
+                "merge by its input Gram"
+            )
         for index in model.neuron_levels:
             level = model.levels[index]
             view = affine_view(level)
-            if view is None and not _mergeable_modules(level):
-                raise ValueError(
-                    f"level {model.level_name(index)} is neither affine nor holds a Linear or "
-                    "Conv2d (groups=1, zero padding) to merge by its input Gram"
-                )
             if view is None and self.dp_epsilon is not None:
                 raise ValueError(
                     f"{self.name} with dp_epsilon noises affine levels' Grams only; "
@@ -245,16 +253,26 @@ class RegMean(FusionMethod):
         request = GramTermsRequest(self.fit_bias, mechanisms)
         return summed_terms(models, inputs, request, self.name)
 
+    def _counts(self, inputs: FusionInputs, sites: list[int]) -> list[float] | None:
+        """The sample counts of ``sites`` (None: not given, or all zero: a plain average)."""
+        if inputs.sample_counts is None:
+            return None
+        counts = sample_counts(self.name, inputs, len(inputs.sample_counts))
+        chosen = [counts[site] for site in sites]
+        return chosen if sum(chosen) > 0 else None
+
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         fused = build_model(target)
+        sites = list(range(len(models)))
         systems = merge_systems(fused, self.fit_bias, self.name)
         totals, rhs = {}, {}
         details: dict[str, Any] = {"alpha": self.alpha}
         if self.grams == "sums":
             sums, sent = self._summed_terms(models, inputs, details)
-            models = [models[m] for m in sums.sites]
+            sites = list(sums.sites)
+            models = [models[m] for m in sites]
             for key in systems:
                 name = system_key(key)
                 totals[key] = self._shrink(sums.terms[f"{name}/gram"])
@@ -279,7 +297,8 @@ class RegMean(FusionMethod):
                     product = shrunk @ weights
                     rhs[key] = rhs[key] + product if key in rhs else product
                 del grams
-        fused.load_state_dict(average_state(models))  # what no Gram merges is averaged
+        # what no Gram merges (normalisation, embeddings) is averaged, by sample counts if given
+        fused.load_state_dict(average_state(models, self._counts(inputs, sites)))
         means = {key: torch.zeros_like(rhs[key]) for key in systems}
         for model in models:
             for key, weights in client_weights(model, systems).items():

@@ -62,14 +62,21 @@ def set_module_matrix(module: nn.Module, w: torch.Tensor, bias: bool) -> None:
         module.bias.copy_(w[-1].to(weight.dtype))
 
 
-def average_state(models: list[LeveledModel]) -> dict[str, torch.Tensor]:
-    """The plain average of the floating-point state; other entries (BatchNorm's batch
-    counters) from model 0."""
+def average_state(
+    models: list[LeveledModel], counts: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """The average of the floating-point state, weighted by the models' sample ``counts``
+    (None: plain); other entries (BatchNorm's batch counters) from model 0."""
+    weights = [1.0] * len(models) if counts is None else [float(c) for c in counts]
+    if len(weights) != len(models):
+        raise ValueError(f"average_state: {len(weights)} counts for {len(models)} models")
+    total_weight = sum(weights)
+    states = [m.state_dict() for m in models]
     state = {}
-    for key, value in models[0].state_dict().items():
+    for key, value in states[0].items():
         if value.is_floating_point():
-            total = sum(m.state_dict()[key].double().cpu() for m in models)
-            state[key] = (total / len(models)).to(value.dtype)
+            total = sum(w * s[key].double().cpu() for w, s in zip(weights, states, strict=True))
+            state[key] = (total / total_weight).to(value.dtype)
         else:
             state[key] = value.clone()
     return state
