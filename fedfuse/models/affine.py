@@ -184,8 +184,21 @@ def mergeable(module: nn.Module) -> bool:
 
 
 def mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The :func:`mergeable` modules inside ``level`` (not the level itself), by name."""
-    return [(name, m) for name, m in level.named_modules() if name and mergeable(m)]
+    """The :func:`mergeable` modules inside ``level`` (not the level itself), by name; not the
+    ``out_proj`` of an ``nn.MultiheadAttention``, which it applies as a function (no hook sees
+    its input, so it has no Gram and is averaged with the packed projections)."""
+    inside = {
+        id(m)
+        for attention in level.modules()
+        if isinstance(attention, nn.MultiheadAttention)
+        for m in attention.modules()
+        if m is not attention
+    }
+    return [
+        (name, m)
+        for name, m in level.named_modules()
+        if name and mergeable(m) and id(m) not in inside
+    ]
 
 
 def module_gram_levels(model: Any) -> list[int]:

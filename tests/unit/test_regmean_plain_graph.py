@@ -122,3 +122,15 @@ def test_the_fused_model_loads_strictly_into_a_fresh_instance(sites):
     x = sites[0][1][0]
     torch.testing.assert_close(fresh.eval()(x), fused.eval()(x))
     assert torch.isfinite(fresh(x)).all()
+
+
+def test_a_sites_grams_pass_the_servers_validation_without_the_batchnorm_level(sites):
+    from fedfuse.io.validation import validate_grams
+    from fedfuse.models import ModelAdapter
+    from fedfuse.models.affine import gram_levels
+
+    model, data = sites[0]
+    leveled = ModelAdapter(ResidualNet, SHAPE).adapt(model)
+    grams = site_fusion_inputs([model, model], [data, data], "regmean").grams[0]
+    assert sorted(grams) == gram_levels(leveled) != leveled.neuron_levels  # bn1: no Gram
+    assert sorted(validate_grams(leveled, grams, source="site 0")) == gram_levels(leveled)
