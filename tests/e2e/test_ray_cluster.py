@@ -23,7 +23,11 @@ from tests.helpers import flower_test_env, free_port, patience
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-SMALL = "train-samples=1500 local-epochs=1 score-samples=64 score-steps=4 test-samples=1000"
+#: the smallest run that places sites on both nodes (what the test guards is where they ran)
+SMALL = (
+    "train-samples=300 local-epochs=1 score-samples=32 score-steps=4 test-samples=500 "
+    "mlp-widths='64,64'"
+)
 
 
 def _cluster_processes(temp_dir: str, port: int) -> list[int]:
