@@ -94,7 +94,7 @@ def test_methods_lists_the_registry_with_needs_and_accepted_architectures(capsys
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert set(rows) == set(FUSION_METHODS)
     assert "statistics rounds" in rows["kf-sites"]["sites send"]
-    assert rows["regmean"]["sites send"] == ["Gram matrices"]
+    assert rows["regmean"]["sites send"] == ["sample counts (optional)", "Gram matrices"]
     assert rows["hf-linear"]["models"] == rows["kf-linear"]["models"] == "2 or more"
     assert rows["kf-linear"]["accepts"]["mlp"] == "yes"
     assert rows["kf-linear"]["accepts"]["resnet"] == "yes"
