@@ -117,13 +117,7 @@ def map_state(
     out = dict(state)
     for axis in space.axes:
         tensor = out[axis.key]
-        start, stop = axis.span(space.size)
-        entries = tensor.shape[axis.dim]
-        if (entries != stop) if axis.offset is None else (stop > entries):
-            raise ValueError(
-                f"{axis.key} has {entries} entries on dim {axis.dim}, expected {space.size} "
-                f"features x {axis.repeat} of space {space.name} from entry {start}"
-            )
+        start, stop, entries = _checked_span(tensor, axis, space)
         moved = tensor.movedim(axis.dim, 0)
         blocks = moved[start:stop].reshape(space.size, axis.repeat, *moved.shape[1:])
         mixed = torch.tensordot(matrix.to(tensor.dtype), blocks, dims=([1], [0]))
@@ -143,17 +137,24 @@ def _permute_state(
     out = dict(state)
     for axis in space.axes:
         tensor = out[axis.key]
-        start, stop = axis.span(space.size)
-        entries = tensor.shape[axis.dim]
-        if (entries != stop) if axis.offset is None else (stop > entries):
-            raise ValueError(
-                f"{axis.key} has {entries} entries on dim {axis.dim}, expected {space.size} "
-                f"features x {axis.repeat} of space {space.name} from entry {start}"
-            )
+        start, stop, entries = _checked_span(tensor, axis, space)
         block = (permutation[:, None] * axis.repeat + torch.arange(axis.repeat)).flatten()
         index = torch.cat([torch.arange(start), block + start, torch.arange(stop, entries)])
         out[axis.key] = tensor.index_select(axis.dim, index.to(tensor.device))
     return out
+
+
+def _checked_span(tensor: torch.Tensor, axis: Axis, space: FeatureSpace) -> tuple[int, int, int]:
+    """``axis``' entries of ``space`` in ``tensor`` (start, stop) and the dim's length, checked:
+    a whole-dim axis fills the dim, a sliced one fits in it."""
+    start, stop = axis.span(space.size)
+    entries = tensor.shape[axis.dim]
+    if (entries != stop) if axis.offset is None else (stop > entries):
+        raise ValueError(
+            f"{axis.key} has {entries} entries on dim {axis.dim}, expected {space.size} "
+            f"features x {axis.repeat} of space {space.name} from entry {start}"
+        )
+    return start, stop, entries
 
 
 def permutation_matrix(permutation: torch.Tensor) -> torch.Tensor:
