@@ -74,7 +74,7 @@ def guide_script(blocks: list[str], base: Path, logs: Path) -> str:
     ]
     for index, block in enumerate(blocks):
         block = block.replace(BASE_LINE, f"export FEDFUSE_BASE={shlex.quote(str(base))}")
-        lines.append(f"echo '>>> guide block {index}'")
+        lines.append(f'echo ">>> guide block {index} at $SECONDS s"')
         first = block.splitlines()[0] if block else ""
         if first.startswith(BACKGROUND):
             ready = READY.search(first)
