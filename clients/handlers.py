@@ -42,21 +42,29 @@ from .site_context import count_round, site_identity, site_name, site_of, site_p
 log = logging.getLogger(__name__)
 
 
+def no_upload_reply(
+    msg: Message, error: Exception, *, site_name: str, partition_id: int, doing: str = "the run"
+) -> Message:
+    """The reply of a site that does not answer ``msg`` with what it asks: it refuses (a
+    :class:`~fedfuse.federation.contract.SiteRefusal`: its data or its policy) or it failed (any
+    other error), with the reason, its name and its partition id (-1: unknown)."""
+    if isinstance(error, SiteRefusal):
+        log.error("refusing %s: %s", doing, error)
+        kind, reason = "refused", str(error)
+    else:
+        log.error("the site failed", exc_info=error)
+        kind, reason = "failed", f"{type(error).__name__}: {error}"
+    content = pack_no_upload(kind, reason, site_name=site_name, partition_id=partition_id)
+    return Message(content=content, reply_to=msg)
+
+
 def _cannot_take_part(
     msg: Message, error: Exception, context: Context, site: SiteIdentity | None
 ) -> Message:
     """The reply of a site that refuses (its data breaks the contract) or failed (``site``:
     None when it failed before it knew who it is)."""
-    name = site_name(context)
     partition_id = site.partition_id if site is not None else -1
-    if isinstance(error, SiteRefusal):
-        log.error("refusing the run: %s", error)
-        kind, reason = "refused", str(error)
-    else:
-        log.error("the site failed", exc_info=error)
-        kind, reason = "failed", f"{type(error).__name__}: {error}"
-    content = pack_no_upload(kind, reason, site_name=name, partition_id=partition_id)
-    return Message(content=content, reply_to=msg)
+    return no_upload_reply(msg, error, site_name=site_name(context), partition_id=partition_id)
 
 
 def train_and_upload(msg: Message, context: Context) -> Message:
@@ -117,11 +125,13 @@ def statistics_round(msg: Message, context: Context) -> Message:
         policy.check_round("rounds", count_round(context))
         statistics = answer_statistics_request(settings, request, model, site, policy=policy)
     except SiteRefusal as refusal:  # the server is told why, and sends this site no more
-        log.error("refusing a statistics round: %s", refusal)
-        content = pack_no_upload(
-            "refused", str(refusal), site_name=site.name, partition_id=site.partition_id
+        return no_upload_reply(
+            msg,
+            refusal,
+            site_name=site.name,
+            partition_id=site.partition_id,
+            doing="a statistics round",
         )
-        return Message(content=content, reply_to=msg)
     return Message(content=pack_statistics(statistics), reply_to=msg)
 
 

@@ -29,8 +29,10 @@ are the app's model again::
 
 Methods that read more than weights from the sites (``fedfuse methods``) get it when the ClientApp
 calls :func:`fedfuse.clients.add_fusion_extras` and the strategy is told so
-(``client_extras=True``); otherwise they are refused when the strategy is built, before any site
-trains.
+(``client_extras=True``); methods with statistics rounds (``kf-sites``, ``hf-sites``) when its
+``@app.query("statistics")`` handler returns :func:`fedfuse.clients.answer_statistics` and the
+strategy is told so (``client_statistics=True``); otherwise they are refused when the strategy
+is built, before any site trains.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class OneShotFusion(UploadIntake, Strategy):
         input_shape: one input's shape, for tracing ``model_fn`` when no fusion set says it.
         client_extras: the plain ClientApp calls :func:`fedfuse.clients.add_fusion_extras`, so
             the methods' scores, class counts and Gram matrices are asked for and required.
+        client_statistics: the plain ClientApp answers statistics rounds with
+            :func:`fedfuse.clients.answer_statistics`, so ``kf-sites`` and ``hf-sites`` run.
         store: where each accepted upload is written as it arrives: an :class:`UploadStore`
             (its ``expected_spec``, when set, is the architecture every upload must have), or a
             folder in which each run gets a new subfolder (None: a new temporary folder).
@@ -134,6 +138,7 @@ class OneShotFusion(UploadIntake, Strategy):
         fusion_set: Any = None,
         input_shape: Sequence[int] | None = None,
         client_extras: bool = False,
+        client_statistics: bool = False,
         store: UploadStore | str | Path | None = None,
         min_nodes: int = 2,
         node_wait_timeout: float = 120.0,
@@ -188,11 +193,13 @@ class OneShotFusion(UploadIntake, Strategy):
                 client_extras=client_extras,
                 available=available_inputs,
                 min_nodes=min_nodes,
+                client_statistics=client_statistics,
             )
             self.adapter, self._extras = plain.adapter, plain.extras
             self.available_inputs = plain.available_inputs
-        elif client_extras:
-            raise ValueError("client_extras is for a plain ClientApp: give model_fn too")
+        elif client_extras or client_statistics:
+            what = "client_extras" if client_extras else "client_statistics"
+            raise ValueError(f"{what} is for a plain ClientApp: give model_fn too")
         else:
             self.available_inputs = available_inputs
         self.store = UploadStore.for_run(store, self.adapter.spec if self.adapter else None)

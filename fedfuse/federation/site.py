@@ -294,13 +294,13 @@ def load_site_data(
     return Scenario(settings, num_partitions).client_data(partition_id)
 
 
-def _check_fits_model(data: ImageDataset, model: LeveledModel, site: SiteIdentity) -> None:
-    """Refuse to compute on data whose samples are not of the model's input shape."""
-    shape, expected = tuple(data.inputs().shape[1:]), tuple(model.spec.input_shape)
+def _check_fits_model(inputs: torch.Tensor, model: LeveledModel, who: str) -> None:
+    """Refuse to compute on ``inputs`` (the data of the site ``who``) whose samples are not of
+    the model's input shape."""
+    shape, expected = tuple(inputs.shape[1:]), tuple(model.spec.input_shape)
     if shape != expected:
         raise ValueError(
-            f"client {site.partition_id}: its data has samples of shape {shape}, the model "
-            f"takes {expected}"
+            f"{who}: its data has samples of shape {shape}, the model takes {expected}"
         )
 
 
@@ -313,23 +313,46 @@ def answer_statistics_request(
     *,
     policy: SitePolicy | None = None,
 ) -> SiteStatistics:
-    """One statistics round of a site: the statistics of its own model and the fused prefix on
-    its own training data (:func:`~fedfuse.fusion.statistics.on_site.site_statistics`). A
-    statistic that breaks the site's ``policy`` is refused
-    (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent."""
+    """One statistics round of a site: :func:`statistics_on_data` on the site's own training
+    data, loaded as the run's settings say."""
     data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
-    samples = min(len(data), request.max_samples or len(data))
+    return statistics_on_data(
+        request,
+        model,
+        data.inputs(),
+        who=f"client {site.partition_id}",
+        policy=policy,
+        device=settings.device,
+    )
+
+
+def statistics_on_data(
+    request: StatisticsRequest,
+    model: LeveledModel,
+    inputs: torch.Tensor,
+    *,
+    who: str,
+    policy: SitePolicy | None = None,
+    device: str | torch.device = "auto",
+) -> SiteStatistics:
+    """A site's answer to one statistics round: the statistics of its own ``model`` and the
+    fused prefix on its training ``inputs``
+    (:func:`~fedfuse.fusion.statistics.on_site.site_statistics`); ``who`` names the site in
+    logs and errors. A statistic that breaks the site's ``policy`` is refused
+    (:class:`~fedfuse.federation.contract.SiteRefusal`) and not sent; samples of another shape
+    than the model's are a ValueError."""
+    samples = min(len(inputs), request.max_samples or len(inputs))
     what = f"the statistics of level {request.level} piece {request.piece}"
     if policy is not None:  # before anything is computed; the rows after
         policy.check_statistic(what, samples, rows=samples, columns=0)
-    _check_fits_model(data, model, site)
-    statistics = site_statistics(model, data.inputs(), request, device=settings.device)
+    _check_fits_model(inputs, model, who)
+    statistics = site_statistics(model, inputs, request, device=device)
     if policy is not None:
         columns = request.linear_piece.fan_in(request.fused.levels[request.level])
         policy.check_statistic(what, samples, statistics.rows, columns)
     log.info(
-        "client %d: statistics of level %d on %d rows in %.1f s",
-        site.partition_id,
+        "%s: statistics of level %d on %d rows in %.1f s",
+        who,
         request.level,
         statistics.rows,
         statistics.seconds,
@@ -355,7 +378,7 @@ def answer_sum_request(
     request = summed.request
     if sources is None:
         data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
-        _check_fits_model(data, model, site)
+        _check_fits_model(data.inputs(), model, f"client {site.partition_id}")
         if isinstance(request, StatisticsRequest):
             samples = min(len(data), request.max_samples or len(data))
             what = f"the statistics of level {request.level} piece {request.piece}"
