@@ -3,7 +3,8 @@
 Run from the repository root: ``python examples/flower-app/measure.py --runs 3``. Each run is a
 real ``flwr run`` of 2 simulated sites (``fedfuse run-app``) on a copy of this app: once with the
 template's own ServerApp and ClientApp (FedAvg, ``num-server-rounds`` rounds), once with the
-one-shot ServerApp and its methods replaced by ``--methods``. Prints a Markdown table of the
+one-shot ServerApp and its methods replaced by ``--methods`` (with ``client_extras=True`` when one
+of them requires the sites' Grams, Fisher or class counts). Prints a Markdown table of the
 central test accuracy (the first ``--test-samples`` Fashion-MNIST test images), mean ± std.
 """
 
@@ -40,8 +41,22 @@ def _copy(into: Path, *, template: bool, methods: str) -> Path:
         )
     else:
         server = app / "flower_app" / "server_app.py"
-        server.write_text(server.read_text().replace('"kf-linear,regmean,fedavg"', f'"{methods}"'))
+        text = server.read_text().replace('"kf-sites,fedavg"', f'"{methods}"')
+        if _needs_extras(methods):  # the ClientApp already calls add_fusion_extras
+            text = text.replace(
+                "client_statistics=True", "client_statistics=True, client_extras=True"
+            )
+        server.write_text(text)
     return app
+
+
+def _needs_extras(methods: str) -> bool:
+    """Whether a method of ``methods`` requires what ``add_fusion_extras`` sends (Grams, Fisher,
+    class counts); methods that only read scores optionally run without them, as the app does."""
+    from fedfuse.fusion import as_fusion_methods
+
+    extras = {"grams", "fisher", "class_counts", "scores"}
+    return any(method.requirements() & extras for method in as_fusion_methods(methods))
 
 
 def _site_references(uploads: Path, test_set) -> dict[str, float]:
@@ -69,7 +84,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
-        "--methods", default="kf-linear,hf-linear,regmean,fedavg,otfusion,git-rebasin,kd"
+        "--methods",
+        default="kf-sites,hf-sites,kf-linear,hf-linear,regmean,fedavg,otfusion,git-rebasin,kd",
     )
     parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
     parser.add_argument("--test-samples", type=int, default=10000)

@@ -4,6 +4,7 @@ real with `flwr run` on 2 simulated sites, through `fedfuse run-app`."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,15 @@ def test_the_example_app_fuses_the_sites_into_its_own_net(tmp_path):
     completed = _run_app(tmp_path, EXAMPLE, f"train-samples=1500 save-path='{saved}'")
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
-    assert "one-shot fusion of 2 sites" in output and "kf-linear" in output
+    assert "one-shot fusion of 2 sites" in output
+    # kf-sites ran its statistics rounds through the app's own query handler, and its Net is
+    # at least as good as one-shot FedAvg's of the same uploads
+    assert "statistics round of level 0 (affine): 2 of 2 sites answered" in output
+    scores = dict(
+        re.findall(r"^\s+(kf-sites|fedavg)\s+fused in .* accuracy ([\d.]+)", output, re.M)
+    )
+    assert set(scores) == {"kf-sites", "fedavg"}, output[-4000:]
+    assert float(scores["kf-sites"]) >= float(scores["fedavg"]), scores
     sys.path.insert(0, str(EXAMPLE))
     try:
         from flower_app.task import Net, load_centralized_test, test
@@ -55,9 +64,11 @@ def test_a_failing_server_app_exits_non_zero_before_any_site_trains(tmp_path):
     app = tmp_path / "app"
     shutil.copytree(EXAMPLE, app)
     server = app / "flower_app" / "server_app.py"
-    server.write_text(server.read_text().replace('"kf-linear,regmean,fedavg"', '"kf-sites"'))
+    # the ServerApp does not say that its ClientApp answers statistics rounds
+    server.write_text(server.read_text().replace("client_statistics=True", "client_extras=True"))
     completed = _run_app(tmp_path, app, "train-samples=200")
     output = completed.stdout + completed.stderr
     assert completed.returncode == 1, output[-4000:]
     assert "finished:failed" in output and "kf-sites: needs the sites themselves" in output
+    assert "answer_statistics" in output
     assert "stored the upload" not in output

@@ -1,5 +1,6 @@
-"""The worked example keeps its promise: a template app moves to one-shot fusion by changing at
-most 10 lines of its ServerApp and 2 of its ClientApp, with public fedfuse names only."""
+"""The worked example keeps its promise: a template app moves to one-shot fusion with kf-sites by
+changing at most 10 lines of its ServerApp and 11 of its ClientApp (2 for the extras' call, 9 for
+the statistics rounds' query handler), with public fedfuse names only."""
 
 import ast
 import difflib
@@ -20,7 +21,7 @@ def changed_lines(before: Path, after: Path) -> int:
     return total
 
 
-@pytest.mark.parametrize(("side", "most"), [("server_app", 10), ("client_app", 2)])
+@pytest.mark.parametrize(("side", "most"), [("server_app", 10), ("client_app", 11)])
 def test_the_move_changes_few_lines(side, most):
     changed = changed_lines(APP / f"template_{side}.py", APP / f"{side}.py")
     assert 0 < changed <= most

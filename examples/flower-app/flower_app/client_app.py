@@ -4,7 +4,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedfuse.clients import add_fusion_extras
+from fedfuse.clients import add_fusion_extras, answer_statistics
 from flower_app.task import Net, load_data
 from flower_app.task import test as test_fn
 from flower_app.task import train as train_fn
@@ -47,6 +47,15 @@ def train(msg: Message, context: Context):
     content = RecordDict({"arrays": model_record, "metrics": metric_record})
     add_fusion_extras(content, msg, model, trainloader)
     return Message(content=content, reply_to=msg)
+
+
+@app.query("statistics")
+def statistics(msg: Message, context: Context):
+    """Answer one statistics round of the fusion (kf-sites) on the local training data."""
+    partition_id = context.node_config["partition-id"]
+    num_partitions = context.node_config["num-partitions"]
+    trainloader, _ = load_data(partition_id, num_partitions, context.run_config["train-samples"])
+    return answer_statistics(msg, context, Net, trainloader)
 
 
 @app.evaluate()

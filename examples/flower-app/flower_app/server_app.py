@@ -23,7 +23,7 @@ def main(grid: Grid, context: Context) -> None:
     arrays = ArrayRecord(global_model.state_dict())
 
     strategy = OneShotFusion(
-        "kf-linear,regmean,fedavg", model_fn=Net, fusion_set=load_fusion_set(), client_extras=True
+        "kf-sites,fedavg", model_fn=Net, fusion_set=load_fusion_set(), client_statistics=True
     )
 
     # Start strategy: every site trains and uploads once, the server fuses the uploads
