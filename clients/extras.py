@@ -4,7 +4,8 @@ A ClientApp written for FedAvg (Flower's PyTorch template, for instance) replies
 ``ArrayRecord`` of weights and ``num-examples`` in a ``MetricRecord``; fedfuse's
 :class:`~fedfuse.strategies.OneShotFusion` fuses that as it is. Methods that read importance
 scores, class counts, Gram matrices or Fisher information from the sites get them when the
-ClientApp adds one line before it replies::
+ClientApp adds one line before it replies (and so do the class Gaussians the server completes
+its fusion set from, ``OneShotFusion(gaussians=...)``)::
 
     content = RecordDict({"arrays": model_record, "metrics": metric_record})
     add_fusion_extras(content, msg, model, trainloader)
@@ -26,10 +27,12 @@ from .records import (
     CONFIG_KEY,
     EXTRAS_KEY,
     FISHER_KEY,
+    GAUSSIANS_KEY,
     GRAMS_KEY,
     SCORE_METHOD_KEY,
     SCORES_KEY,
     SECONDS_PREFIX,
+    SEND_GAUSSIANS_KEY,
 )
 
 
@@ -40,6 +43,18 @@ def requested_extras(msg: Message) -> list[str]:
         return []
     asked = [name.strip() for name in str(config[EXTRAS_KEY]).split(",")]
     return [name for name in EXTRAS if name in asked]
+
+
+def requested_gaussian_rank(msg: Message) -> int:
+    """The rank of the class Gaussians the server's train message asks this site for (0:
+    none)."""
+    config = msg.content.config_records.get(CONFIG_KEY)
+    try:
+        return max(0, int(config.get(SEND_GAUSSIANS_KEY, 0))) if config is not None else 0
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"the train message's {SEND_GAUSSIANS_KEY}={config[SEND_GAUSSIANS_KEY]!r} is no rank"
+        ) from None
 
 
 def add_fusion_extras(
@@ -58,7 +73,8 @@ def add_fusion_extras(
     Returns ``content`` (changed in place). Adds nothing when nothing is asked for.
     """
     wanted = requested_extras(msg)
-    if not wanted:
+    rank = requested_gaussian_rank(msg)
+    if not wanted and not rank:
         return content
     config = msg.content.config_records[CONFIG_KEY]
     extras = compute_site_extras(
@@ -68,8 +84,10 @@ def add_fusion_extras(
         score_method=str(config.get(SCORE_METHOD_KEY) or "conductance"),
         score_samples=score_samples,
         keys=keys,
+        gaussian_rank=rank,
     )
-    facts: dict[str, str | list[int] | float] = {"sent": ",".join(wanted)}
+    sent = [*wanted, *(["class-gaussians"] if rank else [])]
+    facts: dict[str, str | list[int] | float] = {"sent": ",".join(sent)}
     if extras.scores is not None:
         content[SCORES_KEY] = ArrayRecord({str(k): v for k, v in extras.scores.items()})
         facts[SCORE_METHOD_KEY] = extras.score_method
@@ -77,6 +95,8 @@ def add_fusion_extras(
         content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in extras.grams.items()})
     if extras.fisher is not None:
         content[FISHER_KEY] = ArrayRecord(dict(extras.fisher))
+    if extras.class_gaussians is not None:
+        content[GAUSSIANS_KEY] = ArrayRecord(extras.class_gaussians.to_tensors())
     if extras.class_counts is not None:
         facts["class-counts"] = extras.class_counts
     for phase, seconds in extras.seconds.items():

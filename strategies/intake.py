@@ -18,6 +18,7 @@ from typing import Any
 
 from flwr.app import Message
 
+from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.io.validation import ContributionError
 from fedfuse.models import ModelAdapter
@@ -46,6 +47,7 @@ class UploadIntake:
     on_upload: Callable[[StoredUpload], None] | None
     num_partitions: int
     _sent: list[int]
+    upload_request: UploadRequest
     _extras: list[str]
     _node_of: dict[int, int]  # partition id -> node id of its accepted upload
 
@@ -89,7 +91,10 @@ class UploadIntake:
             self.adapter,
             partition_id=self._sent.index(node),
             num_partitions=len(self._sent),
-            wanted=self._extras,
+            wanted=[
+                *self._extras,
+                *(["class-gaussians"] * bool(self.upload_request.gaussian_rank)),
+            ],
         )
 
     def note_silent(self, nodes: Iterable[int]) -> None:

@@ -122,8 +122,8 @@ class OneShotFusion(UploadIntake, Strategy):
         secure: aggregate the rounds summed over sites with Flower's SecAgg+
             (:mod:`.secure_sums`); a method that would read anything per site is refused now.
         inversion: complete the fusion set from the uploads' BatchNorm statistics (None: not).
-        gaussians: complete it from the class Gaussians every site uploads (None: not; sites
-            of fedfuse's ClientApp only).
+        gaussians: complete it from the class Gaussians every site uploads (None: not; a plain
+            ClientApp sends them from its ``add_fusion_extras`` call, with ``client_extras``).
 
     Raises:
         MethodsUnfit: for a plain ClientApp, when a method needs what the sites will not send.
@@ -158,10 +158,15 @@ class OneShotFusion(UploadIntake, Strategy):
     ) -> None:
         self.methods = as_fusion_methods(methods)
         self.inversion, self.gaussians = inversion, gaussians
-        if gaussians is not None and (model_fn is not None or secure is not None):
+        if gaussians is not None and secure is not None:
             raise ValueError(
-                "class Gaussians are sent by fedfuse's ClientApp, site by site: not by a plain "
-                "ClientApp, nor under secure aggregation (the server sees only sums)"
+                "class Gaussians are sent site by site, not under secure aggregation (the server "
+                "sees only sums)"
+            )
+        if gaussians is not None and model_fn is not None and not client_extras:
+            raise ValueError(
+                "class Gaussians from a plain ClientApp: its add_fusion_extras call sends them; "
+                "pass client_extras=True"
             )
         if secure is not None:
             check_secure_methods(self.methods)

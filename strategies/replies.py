@@ -171,8 +171,8 @@ def decode_plain_reply(
 ) -> ClientUpload:
     """Validate the reply of a plain Flower ClientApp (an ``ArrayRecord`` of the user's model's
     weights and ``num-examples`` in a ``MetricRecord``, as Flower's templates send) and rebuild
-    its model through ``adapter``; the ``wanted`` extras (:mod:`fedfuse.clients.extras`) must
-    be there. Raises :class:`ContributionError` naming the node."""
+    its model through ``adapter``; the ``wanted`` extras (:mod:`fedfuse.clients.extras`, and
+    ``class-gaussians``) must be there. Raises :class:`ContributionError` naming the node."""
     source = describe_sender(msg)
     if msg.has_error():
         raise ContributionError(f"{source}: the client failed: {short_reason(msg.error.reason)}")
@@ -195,8 +195,10 @@ def decode_plain_reply(
     scores = _scores(content, model, source)
     grams = _grams(content, model, source)
     fisher = _fisher(content, model, source)
+    gaussians = _class_gaussians(content, model.spec, source)
     sent = set(fisher or ())
     for name, present in (
+        ("class-gaussians", gaussians is not None),
         ("scores", scores is not None),
         ("class-counts", "class-counts" in extras),
         ("grams", grams is not None),
@@ -221,6 +223,7 @@ def decode_plain_reply(
         init="",
         grams=grams,
         fisher=fisher,
+        class_gaussians=gaussians,
         seconds=_seconds(extras),
     )
 

@@ -5,7 +5,8 @@ FedAvg, OTFusion, Git Re-Basin, KF/HF Linear and the other fusion-set methods ne
 read more from the sites (``fedfuse methods`` lists which): importance scores of every neuron
 (neuron interpolation weighs neurons by them; it scores on the fusion set without them), the
 site's class counts (head weighting), the Gram matrices of each level's inputs (RegMean) and
-the Fisher information (Fisher merging, FedFisher).
+the Fisher information (Fisher merging, FedFisher), and its class Gaussians (the server completes
+its fusion set from them, :mod:`fedfuse.fusion.statistics.class_gaussians`).
 :func:`compute_site_extras` computes whichever of these the server asked for, on the site's own
 data in the app's own normalisation, from the user's own ``nn.Module``
 (:class:`~fedfuse.models.ModelAdapter` gives it fedfuse's levels); :func:`site_fusion_inputs`
@@ -29,6 +30,7 @@ from fedfuse.data.tensors import SampleSource, collect_samples
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FusionInputs, FusionMethod, LocalSites, as_fusion_methods
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.class_gaussians import ClassGaussians, fit_class_gaussians
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
 from fedfuse.models import LeveledModel, ModelAdapter
 from fedfuse.models.importance import SCORE_METHODS, Scores, importance_scores
@@ -71,6 +73,7 @@ class SiteExtras:
     class_counts: list[int] | None = None
     grams: dict[int, torch.Tensor] | None = None
     fisher: dict[str, torch.Tensor] | None = None
+    class_gaussians: ClassGaussians | None = None
     score_method: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -84,13 +87,17 @@ def compute_site_extras(
     score_samples: int = 512,
     score_steps: int = 16,
     keys: tuple[str, str] | None = None,
+    gaussian_rank: int = 0,
 ) -> SiteExtras:
     """The ``wanted`` extras (names in :data:`EXTRAS`) of the site's trained ``model`` (a plain
     ``nn.Module`` or a leveled model) on its training ``data`` (a ``DataLoader``, an
-    ``(inputs, labels)`` pair; see :func:`~fedfuse.data.tensors.collect_samples`).
+    ``(inputs, labels)`` pair; see :func:`~fedfuse.data.tensors.collect_samples`), and with
+    ``gaussian_rank`` > 0 its class Gaussians of that rank
+    (:func:`~fedfuse.fusion.statistics.class_gaussians.fit_class_gaussians`).
 
     Scores use the first ``score_samples`` inputs, each explaining its own label's logit; class
-    counts and Grams read all of ``data``. The model is left as it was (mode, device, weights).
+    counts, Grams and class Gaussians read all of ``data``. The model is left as it was (mode,
+    device, weights).
     """
     wanted = set(wanted)
     unknown = sorted(wanted - set(EXTRAS))
@@ -99,11 +106,11 @@ def compute_site_extras(
     if score_method not in SCORE_METHODS:
         raise ValueError(f"unknown score method {score_method!r}; choose one of {SCORE_METHODS}")
     extras = SiteExtras()
-    if not wanted:
+    if not wanted and gaussian_rank <= 0:
         return extras
     started = time.monotonic()
     kinds = [kind for kind in FISHER_KINDS if f"fisher-{kind}" in wanted]
-    limit = None if "grams" in wanted or kinds else score_samples
+    limit = None if "grams" in wanted or kinds or gaussian_rank > 0 else score_samples
     inputs, labels = collect_samples(data, limit=limit, keys=keys, what="the site's data")
     leveled = (
         model
@@ -112,10 +119,10 @@ def compute_site_extras(
     )
     device = next(model.parameters()).device
     extras.seconds["collect"] = time.monotonic() - started
+    classes = leveled.spec.num_classes
+    if ("class-counts" in wanted or gaussian_rank > 0) and labels is None:
+        raise ValueError("the site's data has no labels, so it cannot count its classes")
     if "class-counts" in wanted:
-        if labels is None:
-            raise ValueError("the site's data has no labels, so it cannot count its classes")
-        classes = leveled.spec.num_classes
         if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
             raise ValueError(
                 f"the site's labels span [{int(labels.min())}, {int(labels.max())}], the "
@@ -139,6 +146,10 @@ def compute_site_extras(
         started = time.monotonic()
         extras.fisher = site_fisher(copy.deepcopy(leveled), inputs, kinds, device=device)
         extras.seconds["fisher"] = time.monotonic() - started
+    if gaussian_rank > 0:
+        started = time.monotonic()
+        extras.class_gaussians = fit_class_gaussians(inputs, labels, classes, rank=gaussian_rank)
+        extras.seconds["class_gaussians"] = time.monotonic() - started
     log.info("site extras %s computed on %d samples", sorted(wanted), len(inputs))
     return extras
 

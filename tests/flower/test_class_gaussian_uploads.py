@@ -111,17 +111,75 @@ def test_a_train_message_asking_for_a_malformed_rank_is_refused():
         unpack_train_request(content)
 
 
-def test_class_gaussians_are_refused_under_secure_aggregation_and_from_plain_apps():
+def test_class_gaussians_are_refused_under_secure_aggregation_and_without_a_plain_apps_extras():
     from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
     from fedfuse.strategies import OneShotFusion
     from fedfuse.strategies.secure_sums import SecureSettings
 
-    with pytest.raises(ValueError, match="nor under secure aggregation"):
+    with pytest.raises(ValueError, match="not under secure aggregation"):
         OneShotFusion("fedavg", secure=SecureSettings(0.5, 60.0), gaussians=GaussianFusionSet())
-    with pytest.raises(ValueError, match="not by a plain ClientApp"):
+    with pytest.raises(ValueError, match="add_fusion_extras call sends them; pass client_extras"):
         OneShotFusion(
             "fedavg",
             model_fn=lambda: torch.nn.Linear(4, 2),
             input_shape=(4,),
             gaussians=GaussianFusionSet(),
         )
+
+
+def test_a_plain_app_sends_class_gaussians_from_add_fusion_extras_and_they_complete_the_fusion_set(
+    tmp_path,
+):
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+    from torch import nn
+
+    from fedfuse.clients import add_fusion_extras
+    from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet, fit_class_gaussians
+    from fedfuse.strategies import OneShotFusion
+    from tests.fakes import NodesGrid, reply_from
+
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)) for _ in range(2)]
+    template = nets[0]
+    site_data = [(torch.randn(30, 4) + k, torch.arange(30) % 3) for k in range(2)]
+    fusion_set = (torch.randn(12, 4), torch.arange(12) % 3)
+    completion = GaussianFusionSet(samples=9, rank=2)
+    strategy = OneShotFusion(
+        "kf-linear,fedavg",
+        model_fn=lambda: type(template)(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+        fusion_set=fusion_set,
+        client_extras=True,
+        gaussians=completion,
+        store=tmp_path,
+    )
+    nodes = [3, 8]
+    initial = ArrayRecord(template.state_dict())
+    messages = list(strategy.configure_train(1, initial, ConfigRecord(), NodesGrid(nodes)))
+    assert {int(m.content["config"][SEND_GAUSSIANS_KEY]) for m in messages} == {2}
+    replies = []
+    for net, (x, y), msg, node in zip(nets, site_data, messages, nodes, strict=True):
+        metrics = MetricRecord({"num-examples": len(y)})
+        content = RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics})
+        add_fusion_extras(content, msg, net, (x, y))
+        assert GAUSSIANS_KEY in content.array_records
+        replies.append(reply_from(content, node))
+    strategy.aggregate_train(1, replies)
+    assert strategy.problems == [] and strategy.failures == {}
+    sent = strategy.store.class_gaussians()
+    expected = fit_class_gaussians(*site_data[1], 3, rank=2)
+    assert torch.allclose(sent[1].means, expected.means.to(sent[1].means.dtype))
+    assert completion.seconds is not None  # the fusion set was completed from them
+    # a site that sends none, when asked, is named and left out
+    strategy = OneShotFusion(
+        "kf-linear",
+        model_fn=lambda: type(template)(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+        fusion_set=fusion_set,
+        client_extras=True,
+        gaussians=completion,
+        store=tmp_path / "again",
+    )
+    messages = list(strategy.configure_train(1, initial, ConfigRecord(), NodesGrid(nodes)))
+    metrics = MetricRecord({"num-examples": 30})
+    bare = RecordDict({"arrays": ArrayRecord(nets[0].state_dict()), "metrics": metrics})
+    assert strategy.accept(reply_from(bare, nodes[0])) is None
+    assert "sent no class-gaussians" in strategy.problems[0]
