@@ -103,8 +103,9 @@ def methods_command(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     print(
         f"({PLAIN_CHAIN}: your own model, a chain of Linear/Conv2d layers; {PLAIN_RESIDUAL}: "
-        "your own model with residual adds and BatchNorm/LayerNorm, e.g. torchvision's resnet18; "
-        "why a method refuses an architecture: fedfuse methods --json)"
+        "your own model with residual adds and BatchNorm, e.g. torchvision's resnet18 (kf-linear "
+        "and hf-linear fit its convs with their BatchNorms and its residual blocks in closed "
+        "form); why a method refuses an architecture: fedfuse methods --json)"
     )
     return 0
 

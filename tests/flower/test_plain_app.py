@@ -188,6 +188,12 @@ class _BatchNormNet(nn.Module):
         return self.head(self.norm(self.conv(x)).flatten(1))
 
 
+class _GroupNormNet(_BatchNormNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 4)
+
+
 def test_what_a_plain_app_cannot_give_is_refused_when_the_strategy_is_built():
     fusion = _data(9)
     with pytest.raises(MethodsUnfit, match="regmean: needs the sites' Gram matrices") as info:
@@ -199,10 +205,12 @@ def test_what_a_plain_app_cannot_give_is_refused_when_the_strategy_is_built():
         OneShotFusion("kf-linear", model_fn=TemplateNet, input_shape=(1, 28, 28))
     with pytest.raises(ValueError, match="needs the model's input shape"):
         OneShotFusion("fedavg", model_fn=TemplateNet)
-    # a BatchNorm model is averaged by parameter name; a Linear fit refuses it, naming the level
-    OneShotFusion("fedavg", model_fn=_BatchNormNet, fusion_set=fusion)
-    with pytest.raises(MethodsUnfit, match="kf-linear: cannot fuse .* level 0:conv"):
-        OneShotFusion("kf-linear", model_fn=_BatchNormNet, fusion_set=fusion)
+    # a BatchNorm model is averaged by parameter name and fitted with the conv its BatchNorm
+    # reads; a GroupNorm one is averaged, and a Linear fit refuses it, naming the level
+    OneShotFusion("fedavg,kf-linear", model_fn=_BatchNormNet, fusion_set=fusion)
+    OneShotFusion("fedavg", model_fn=_GroupNormNet, fusion_set=fusion)
+    with pytest.raises(MethodsUnfit, match="kf-linear: cannot fuse .* level 1:norm .*GroupNorm"):
+        OneShotFusion("kf-linear", model_fn=_GroupNormNet, fusion_set=fusion)
     with pytest.raises(ValueError, match="client_extras is for a plain ClientApp"):
         OneShotFusion("fedavg", client_extras=True)
 

@@ -11,8 +11,9 @@ def test_the_residual_norm_column_says_which_methods_take_such_a_model():
     specs = {PLAIN_RESIDUAL: architectures()[PLAIN_RESIDUAL]}
     accepts = {
         name: describe(make_fusion_method(name), specs)["accepts"][PLAIN_RESIDUAL]
-        for name in ("fedavg", "git-rebasin", "kd", "kf-linear", "regmean")
+        for name in ("fedavg", "git-rebasin", "kd", "kf-linear", "hf-linear", "regmean")
     }
     assert accepts["fedavg"] == accepts["git-rebasin"] == accepts["kd"] == "yes"
     assert accepts["regmean"] == "yes"  # Linear/Conv2d by their Grams, BatchNorm averaged
-    assert accepts["kf-linear"].startswith("no: ")
+    # a conv with its BatchNorm and a residual block, fitted piece by piece in closed form
+    assert accepts["kf-linear"] == accepts["hf-linear"] == "yes"

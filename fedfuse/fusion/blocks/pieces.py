@@ -17,6 +17,9 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
   input's mean and variance on the fitted rows (read off the design's Gram) as running
   statistics, so train mode starts from the same function; the targets are pre-activations
   (ReLU is monotone, and the fit stays linear).
+* A **graph level** of a user's traced model (a conv with its BatchNorm, torchvision's
+  ``BasicBlock`` with its ``downsample``) is read off its graph as the same kinds of pieces
+  (:mod:`.graph_pieces`).
 * A **ViT patch embedding** is one: token ``t >= 1`` is ``W p_t + b + pos_t`` (``p_t`` its
   patch), the class token ``cls + pos_0``, affine in the row ``[p_t, e_t]`` (``p_0 = 0``,
   ``e_t`` the one-hot token): the projection and one offset per token (held by the position
@@ -43,7 +46,7 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -57,46 +60,21 @@ from fedfuse.fusion.blocks.attention import (
     token_rows,
     value_weights,
 )
+from fedfuse.fusion.blocks.graph_pieces import block_pieces, read_block
+from fedfuse.fusion.blocks.linear_piece import LinearPiece, Rows, output_moments, set_batchnorm
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import AffineLevel, affine_view, fit_intercept, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
 from fedfuse.models.symmetry import balance_query_key, balance_value_output
 from fedfuse.models.vit import EncoderBlock, PatchEmbedding
 
-Rows = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LinearPiece:
-    """One linear map of a level, fitted in closed form.
-
-    Attributes:
-        name: the piece's name in fit details (``"conv1"``, ``"conv2+shortcut"``, ``"q+k"``).
-        design: ``(level, level input) -> rows``: the piece's inputs with a trailing 1 (an
-            affine level's: only when its layer has a bias).
-        target: ``(level, level input) -> rows``: the piece's outputs on that level.
-        fan_in, width: the design's columns and the outputs' count on a level.
-        load: ``(level, W, gram)``: write fitted weights, ``gram`` the design's ``X^T X``.
-        stream: ``(level, level input) -> rows`` added to the piece's outputs (a residual
-            stream), so the fit's targets are the centres minus it; None when nothing is.
-        inner: its neurons are hidden inside the level (no importance scores: equal weights).
-        kind: ``"neurons"`` (group the outputs, fit their centres) or ``"logits"`` (attention
-            queries and keys, fitted by :func:`attention_logits`).
-    """
-
-    name: str
-    design: Rows
-    target: Rows
-    fan_in: Callable[[nn.Module], int]
-    width: Callable[[nn.Module], int]
-    load: Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
-    stream: Rows | None = None
-    inner: bool = False
-    kind: str = "neurons"
-
 
 def linear_pieces(level: nn.Module) -> list[LinearPiece] | None:
-    """The pieces of ``level``, bottom-up; None for a level that is none of the kinds above."""
+    """The pieces of ``level``, bottom-up; None for a level that is none of the kinds above
+    (a graph level of a user's model: :mod:`.graph_pieces`)."""
+    block = read_block(level)
+    if block is not None:
+        return block_pieces(block)
     if isinstance(level, Stem):
         return [_conv_piece("conv", ("conv",), "bn", lambda m, x: m.bn(m.conv(x)))]
     if isinstance(level, BasicBlock):
@@ -139,47 +117,6 @@ def pre_output(block: BasicBlock, x: torch.Tensor) -> torch.Tensor:
     """A block's pre-activation output ``BN_2(conv_2(h)) + s(x)`` (before its last ReLU)."""
     h = block.relu1(block.bn1(block.conv1(x)))
     return block.bn2(block.conv2(h)) + block.shortcut(x)
-
-
-def set_batchnorm(
-    norm: nn.BatchNorm2d,
-    bias: torch.Tensor,
-    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """``norm`` as the map ``y + bias`` in eval mode.
-
-    With ``moments``, the mean and variance of its input ``y`` on the fitted rows, they become
-    its running statistics and its scale and shift absorb them (``sqrt(var + eps)``, ``bias +
-    mean``): the same eval-mode map, and in train mode a batch like those rows is normalised as
-    in eval mode, so the fused model can be trained further. Without them: mean 0, variance
-    ``1 - eps``, scale 1."""
-    with torch.no_grad():
-        if moments is None:
-            norm.running_mean.zero_()
-            norm.running_var.fill_(1.0 - norm.eps)
-            norm.weight.fill_(1.0)
-            norm.bias.copy_(bias.to(norm.bias.dtype))
-            return
-        mean, var = (m.to(norm.running_mean.device, torch.float64) for m in moments)
-        norm.running_mean.copy_(mean)
-        norm.running_var.copy_(var)
-        norm.weight.copy_((var + norm.eps).sqrt())
-        norm.bias.copy_(bias.to(norm.bias.device, torch.float64) + mean)
-
-
-def output_moments(
-    w: torch.Tensor, gram: torch.Tensor, columns: slice
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-output mean and variance over the design's rows of ``X[:, columns] @ w[columns]``
-    (one conv's output before its BatchNorm), from the Gram ``X^T X`` of a design whose last
-    column is the ones (its corner is the row count). None when the Gram has no such column."""
-    if gram.shape != (len(w), len(w)) or not gram[-1, -1] > 0:
-        return None
-    gram, part = gram.double(), w[columns].double().to(gram.device)
-    count = gram[-1, -1]
-    mean = gram[-1, columns] @ part / count
-    second = ((gram[columns, columns] @ part) * part).sum(0) / count
-    return mean, (second - mean * mean).clamp_min(0)
 
 
 # ------------------------------------------------------------------------------ ResNet

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from fedfuse.fusion.blocks.attention import attention_logits, attention_map_points
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, op_kind, read_block
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
 from fedfuse.fusion.methods.neuron_interpolation.sublayers import (
@@ -31,6 +32,7 @@ from fedfuse.fusion.methods.neuron_interpolation.sublayers import (
     group_targets,
     run_chunks,
 )
+from fedfuse.models.graph_levels import describe
 from fedfuse.models.leveled import LeveledModel
 from fedfuse.models.resnet import BasicBlock, Stem
 from fedfuse.models.vit import EncoderBlock, PatchEmbedding
@@ -43,23 +45,39 @@ BLOCK_LEVELS = (Stem, BasicBlock, PatchEmbedding, EncoderBlock)
 
 
 def is_block_level(level: nn.Module) -> bool:
-    """Whether ``level`` is a ResNet stem or BasicBlock, or a ViT patch embedding or encoder
-    block (fitted by :func:`fit_block_linear`)."""
-    return isinstance(level, BLOCK_LEVELS)
+    """Whether ``level`` is a ResNet stem or BasicBlock, a ViT patch embedding or encoder
+    block, or a graph level of a user's model read as pieces
+    (:func:`~fedfuse.fusion.blocks.graph_pieces.read_block`), all fitted by
+    :func:`fit_block_linear`."""
+    return isinstance(level, BLOCK_LEVELS) or read_block(level) is not None
 
 
 def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) -> None:
     """Raise ValueError naming the first neuron level that is neither affine (``affine(level)``
-    not None) nor a ResNet or ViT block."""
+    not None) nor a block, after each BatchNorm level is folded into the layer before it
+    (:func:`~fedfuse.fusion.blocks.graph_pieces.fold_norm_levels`)."""
+    model, _ = fold_norm_levels(model)
     for index in model.neuron_levels:
         level = model.levels[index]
         if affine(level) is None and not is_block_level(level):
             raise ValueError(
                 f"level {model.level_name(index)} is neither affine (parameter-free ops then one "
-                "Linear/Conv2d) nor a ResNet stem, BasicBlock or ViT patch embedding or "
-                "encoder block, the levels a Linear variant fits in closed form; use a gradient "
-                "variant for it"
+                "Linear/Conv2d) nor a block: a ResNet stem, BasicBlock or ViT patch embedding or "
+                "encoder block, or in a model of yours a Linear/Conv2d with its BatchNorm, or a "
+                "residual block of such layers added to the block's input or to a "
+                "Linear/Conv2d shortcut (as torchvision's ResNets), the levels a Linear variant "
+                f"fits in closed form{_unfit_op(level)}; use a gradient variant for it"
             )
+
+
+def _unfit_op(level: nn.Module) -> str:
+    """``" (its op 'x' is ...)"``: the first op of a graph level that no piece takes."""
+    if not isinstance(level, fx.GraphModule):
+        return ""
+    for node in level.graph.nodes:
+        if node.op not in ("placeholder", "output", "get_attr") and op_kind(level, node) is None:
+            return f" (its node {node.name!r}, {describe(node, level)}, is none of these)"
+    return ""
 
 
 @dataclass(frozen=True)

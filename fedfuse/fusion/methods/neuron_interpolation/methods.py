@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.batchnorm import refold_batchnorm_statistics
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.least_squares import RIDGE_GRID
 from fedfuse.fusion.blocks.whitening import uses_whitening_cutoff
@@ -230,7 +231,20 @@ class NeuronInterpolation(InterpolationOptions):
             normalization=self.score_normalization,
             device=self.device,
         )
-        fused = build_model(target, seed=self.seed).to(device).eval()
+        result = build_model(target, seed=self.seed).to(device).eval()
+        # a user's BatchNorm level is fitted with the layer before it: the fit runs on views
+        # of the models in which each such pair is one level (sharing the modules)
+        fused, at = fold_norm_levels(result)
+        views = [fold_norm_levels(m) for m in models]
+        models = [view for view, _ in views]
+        mappings = [
+            {at[level]: where[base] for level, base in mapping.items()}
+            for mapping, (_, where) in zip(mappings, views, strict=True)
+        ]
+        scores = [
+            {where[level]: s[level] for level in sorted(s)}
+            for s, (_, where) in zip(scores, views, strict=True)
+        ]
         neuron_levels = fused.neuron_levels
         # each model's levels are computed as the fit reaches them: one level in memory at a time
         streams = [
@@ -302,7 +316,7 @@ class NeuronInterpolation(InterpolationOptions):
                 info["residual"] = True
             details["levels"].append(info)
             log.debug("%s level %s: %s", self.name, index, info)
-        folded = refold_batchnorm_statistics(fused, data, batch_size=self.batch_size_capture)
+        folded = refold_batchnorm_statistics(result, data, batch_size=self.batch_size_capture)
         if folded:
             details["batchnorm_refolded"] = folded
-        return fused.cpu(), details
+        return result.cpu(), details

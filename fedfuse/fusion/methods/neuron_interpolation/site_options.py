@@ -11,6 +11,7 @@ itself is :class:`~.sites.SiteInterpolation`'s.
 from __future__ import annotations
 
 from fedfuse.fusion.base import FusionMethod
+from fedfuse.fusion.blocks.graph_pieces import read_block
 from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.pieces import check_affine_intercept, linear_pieces
 from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
@@ -140,6 +141,13 @@ class SiteOptions(FusionMethod):
         its design rows (:func:`~fedfuse.fusion.blocks.pieces.linear_pieces`): every level with
         neurons must be affine, a ResNet stem or BasicBlock, or a ViT embedding or block."""
         for index in model.neuron_levels:
+            if read_block(model.levels[index]) is not None:
+                raise ValueError(
+                    f"{self.name} fits from the sites' statistics, which do not cover a graph "
+                    f"level of your own model yet ({model.spec.arch} level "
+                    f"{model.level_name(index)}, a model with residual adds or normalisation); "
+                    "use kf-linear for it"
+                )
             if linear_pieces(model.levels[index]) is None:
                 raise ValueError(
                     f"{self.name} fits every level in closed form from the sites' statistics, "

@@ -1,0 +1,169 @@
+"""The closed-form neuron-interpolation methods on a user's own ResNet (issue 49, item 2): a
+conv with its BatchNorm, torchvision's ``BasicBlock`` with an identity shortcut or a
+``downsample`` of conv and BatchNorm, read off the traced graph as linear pieces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torchvision.models.resnet import BasicBlock
+
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, read_block
+from fedfuse.models import ModelAdapter
+
+SHAPE = (1, 16, 16)
+CLASSES = 4
+
+
+class SmallResNet(nn.Module):
+    """A torchvision-style ResNet: stem conv-BN-ReLU, an identity block, a downsampling block."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        downsample = nn.Sequential(
+            nn.Conv2d(width, 2 * width, 1, stride=2, bias=False), nn.BatchNorm2d(2 * width)
+        )
+        self.layer1 = nn.Sequential(
+            BasicBlock(width, width), BasicBlock(width, 2 * width, 2, downsample)
+        )
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, CLASSES)
+
+    def forward(self, x):
+        x = self.layer1(self.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _task(samples: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of ``CLASSES`` noisy prototypes (fixed by the generator's first draw)."""
+    prototypes = torch.randn(CLASSES, *SHAPE, generator=torch.Generator().manual_seed(7))
+    labels = torch.randint(0, CLASSES, (samples,), generator=generator)
+    return prototypes[labels] + 1.5 * torch.randn(samples, *SHAPE, generator=generator), labels
+
+
+def _trained(seed: int) -> SmallResNet:
+    torch.manual_seed(seed)
+    model = SmallResNet()
+    x, y = _task(256, torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(32):
+        batch = slice(64 * (step % 4), 64 * (step % 4 + 1))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sites():
+    return [_trained(0), _trained(1)]
+
+
+@pytest.fixture(scope="module")
+def fusion_set():
+    return _task(160, torch.Generator().manual_seed(99))
+
+
+def test_the_levels_are_read_as_pieces_and_the_identity_blocks_as_residual():
+    adapted = ModelAdapter(SmallResNet, SHAPE).adapt(SmallResNet())
+    view, where = fold_norm_levels(adapted)
+    assert where[0] == where[1] == 0  # conv1 and its BatchNorm level: one level
+    assert [view.level_name(i) for i in view.neuron_levels] == [
+        "0:conv1+bn1",
+        "2:layer1.0",
+        "4:layer1.1",
+        "8:fc",
+    ]
+    blocks = [read_block(view.levels[i]) for i in view.neuron_levels]
+    assert all(block is not None for block in blocks)
+    assert [view.is_residual(i) for i in view.neuron_levels] == [False, True, False, False]
+    joint = blocks[2].outputs  # conv2 fitted with the downsample, two BatchNorms folded
+    assert [(u.layer, u.norm) for u in joint] == [
+        ("layer1.1.conv2", "layer1.1.bn2"),
+        ("layer1.1.downsample.0", "layer1.1.downsample.1"),
+    ]
+    x = torch.randn(3, *SHAPE)
+    assert torch.equal(view.eval()(x), adapted.eval()(x))
+
+
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_fusing_identical_copies_gives_the_model_back(sites, fusion_set, method):
+    model = sites[0]
+    copy = SmallResNet()
+    copy.load_state_dict(model.state_dict())
+    data = fusion_set[0]
+    method = make_fusion_method(method, use_scores=False)
+    fused = method.fuse([model, copy.eval()], FusionInputs(data)).model
+    assert type(fused) is SmallResNet
+    with torch.no_grad():
+        expected, got = model(data), fused.eval()(data)
+    assert torch.allclose(got, expected, atol=1e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_two_sites_fuse_into_the_users_class_better_than_averaging(sites, fusion_set, method):
+    data, labels = fusion_set
+    inputs = FusionInputs(data, labels=labels)
+    fused = make_fusion_method(method).fuse(sites, inputs).model
+    fresh = SmallResNet()
+    fresh.load_state_dict(fused.state_dict())  # strict: the user's names and shapes
+    averaged = make_fusion_method("vanilla").fuse(sites, inputs).model
+    with torch.no_grad():
+        logits = fresh.eval()(data)
+        loss = nn.functional.cross_entropy(logits, labels)
+        average_loss = nn.functional.cross_entropy(averaged.eval()(data), labels)
+        site_losses = [nn.functional.cross_entropy(s(data), labels) for s in sites]
+    assert torch.isfinite(logits).all()
+    assert max(site_losses) < 0.6 * average_loss  # the sites disagree: averaging hurts
+    assert loss < 0.6 * average_loss  # 0.50 (kf), 0.57 (hf) against 1.25
+
+
+def test_torchvision_resnet18_is_taken_by_the_linear_variants():
+    adapter = ModelAdapter(
+        lambda: torchvision.models.resnet18(num_classes=10), (3, 32, 32)
+    ).register()
+    for method in ("kf-linear", "hf-linear"):
+        make_fusion_method(method).check_run(2, adapter.spec)
+    adapted = adapter.adapt(torchvision.models.resnet18(num_classes=10).eval())
+    view, _ = fold_norm_levels(adapted)
+    assert all(read_block(view.levels[i]) is not None for i in view.neuron_levels)
+    residual = [view.level_name(i) for i in view.neuron_levels if view.is_residual(i)]
+    assert [name.split(":")[1] for name in residual] == [
+        "layer1.0",
+        "layer1.1",
+        "layer2.1",
+        "layer3.1",
+        "layer4.1",
+    ]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(view(x), adapted(x))
+
+
+class _ReluBeforeAdd(nn.Module):
+    """A block whose branch is activated before the add: no linear piece reproduces it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        x = self.conv1(x).relu()
+        x = x + self.norm(self.conv2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_a_level_of_other_ops_is_refused_naming_the_level_and_the_op():
+    spec = ModelAdapter(_ReluBeforeAdd, SHAPE).register().spec
+    with pytest.raises(ValueError, match=r"level 2:.*node 'norm', GroupNorm") as error:
+        make_fusion_method("kf-linear").check_run(2, spec)
+    assert "\n" not in str(error.value)
