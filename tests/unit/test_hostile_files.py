@@ -1,7 +1,8 @@
 """Hostile data files: sizes are checked before they are allocated (issue 24).
 
-Each file is built here and handed to the real command (``python -m fedfuse.cli.main``) in a
-process limited to a 6 GB address space and 60 s. Each must fail (exit != 0) in at most two
+Each file is built here and handed to the real command (:func:`fedfuse.cli.main.main`) in a
+process of its own limited to a 6 GB address space and 60 s, forked from one that has imported
+PyTorch and fedfuse once (:mod:`tests.forked_cli`). Each must fail (exit != 0) in at most two
 lines of stderr that name the file and the key or option at fault; a valid file still passes.
 The rest checks the library pieces in process: streamed statistics, class names, folders that
 cannot be read. Uploads and checkpoints are attacked in ``tests/flower/test_hostile_inputs.py``.
@@ -11,10 +12,8 @@ from __future__ import annotations
 
 import io
 import os
-import resource
 import struct
 import subprocess
-import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -27,6 +26,7 @@ from fedfuse.data import DataFormatError, from_image_folder, load_npz_dataset, s
 from fedfuse.data.arrays import channel_statistics, check_npz_dataset
 from fedfuse.data.convert import from_medmnist_npz
 from fedfuse.data.idx import read_idx
+from tests.forked_cli import ForkedCli
 from tests.helpers import patience
 
 ADDRESS_SPACE = 6 << 30
@@ -35,18 +35,12 @@ REPO = Path(__file__).resolve().parents[2]
 RNG = np.random.default_rng(0)
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+COMMANDS = ForkedCli()
 
 
 def _fedfuse(*argv: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fedfuse.cli.main", *map(str, argv)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=patience(TIMEOUT_S),
-        preexec_fn=_limit_memory,
+    return COMMANDS.run(
+        [str(a) for a in argv], cwd=REPO, timeout=patience(TIMEOUT_S), address_space=ADDRESS_SPACE
     )
 
 
