@@ -15,11 +15,19 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# pip's own byte-compilation runs on one core (73 s of a 189 s install here); compileall on every
-# core, skipping the packages' own test suites, takes 35 s. Byte-code matters on machines that set
-# PYTHONDONTWRITEBYTECODE: without it every process (each ClientApp a SuperNode starts) would
-# compile PyTorch and Ray from source again.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev]'
-SITE_PACKAGES=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-.venv/bin/python -m compileall -q -j 0 -x '/(tests|rllib|_vendor)/|/torch/testing/_internal/' \
-  "$SITE_PACKAGES" fedfuse strategies clients partitions >/dev/null
+# What was installed, by the files that decide it: a second run with the same ones skips pip's
+# 12-15 s of resolving (the deployment guide runs this script again).
+INSTALLED=$(cat pyproject.toml constraints.txt setup.sh | sha256sum | cut -d' ' -f1)
+STAMP=.venv/.fedfuse-installed
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$INSTALLED" ]; then
+  # pip's own byte-compilation runs on one core (73 s of a 189 s install here); compileall on
+  # every core, skipping the packages' own test suites, takes 35 s. Byte-code matters on
+  # machines that set PYTHONDONTWRITEBYTECODE: without it every process (each ClientApp a
+  # SuperNode starts) would compile PyTorch and Ray from source again.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile -c constraints.txt -e '.[dev]'
+  SITE_PACKAGES=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  .venv/bin/python -m compileall -q -j 0 -x '/(tests|rllib|_vendor)/|/torch/testing/_internal/' \
+    "$SITE_PACKAGES" >/dev/null
+  echo "$INSTALLED" > "$STAMP"
+fi
+.venv/bin/python -m compileall -q -j 0 fedfuse strategies clients partitions >/dev/null
