@@ -8,7 +8,7 @@ import pytest
 import torch
 import torchvision
 from torch import nn
-from torchvision.models.resnet import BasicBlock
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, read_block
@@ -124,23 +124,29 @@ def test_two_sites_fuse_into_the_users_class_better_than_averaging(sites, fusion
     assert loss < 0.6 * average_loss  # 0.50 (kf), 0.57 (hf) against 1.25
 
 
-def test_torchvision_resnet18_is_taken_by_the_linear_variants():
-    adapter = ModelAdapter(
-        lambda: torchvision.models.resnet18(num_classes=10), (3, 32, 32)
-    ).register()
+RESNETS = {  # torchvision's own classes; their identity blocks are read as residual levels
+    "resnet18": (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        ["layer1.0", "layer1.1", "layer2.1", "layer3.1", "layer4.1"],
+    ),
+    "bottleneck": (  # three convs on the main path, every block with a downsample
+        lambda: ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10),
+        [],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RESNETS))
+def test_torchvision_resnets_are_taken_by_the_linear_variants(name):
+    build, residual_blocks = RESNETS[name]
+    adapter = ModelAdapter(build, (3, 32, 32), name=f"test-{name}").register()
     for method in ("kf-linear", "hf-linear"):
         make_fusion_method(method).check_run(2, adapter.spec)
-    adapted = adapter.adapt(torchvision.models.resnet18(num_classes=10).eval())
+    adapted = adapter.adapt(build().eval())
     view, _ = fold_norm_levels(adapted)
     assert all(read_block(view.levels[i]) is not None for i in view.neuron_levels)
     residual = [view.level_name(i) for i in view.neuron_levels if view.is_residual(i)]
-    assert [name.split(":")[1] for name in residual] == [
-        "layer1.0",
-        "layer1.1",
-        "layer2.1",
-        "layer3.1",
-        "layer4.1",
-    ]
+    assert [label.split(":")[1] for label in residual] == residual_blocks
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(view(x), adapted(x))
