@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: how long the faulty app's healthy sites may take to reply (its hanging site sleeps 600 s)
 REPLY_TIMEOUT = round(min(patience(45), 400))
 SMALL = "train-samples=1500 local-epochs=1 score-samples=64 score-steps=4 test-samples=2000"
+#: the hidden width of the MLP that every fusion method fuses in one simulation
+WIDTH = 128
 #: every fusion method, each fusing the same uploads of one simulation (kf-linear is primary)
 STRATEGIES = [
     "kf-linear",
@@ -105,7 +107,8 @@ def _ours(process: psutil.Process, env: dict[str, str]) -> bool:
 def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
     completed, out, _ = _simulate(
         tmp_path,
-        f"{SMALL} strategy='{','.join(STRATEGIES)}' score-method='deeplift' "
+        f"{SMALL} mlp-widths='{WIDTH},{WIDTH},{WIDTH}' strategy='{','.join(STRATEGIES)}' "
+        "score-method='deeplift' "
         f"fusion-options='{FAST_OPTIONS}'",
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
@@ -148,7 +151,7 @@ def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
         rounds = fusions[name]["details"]["rounds"]
         assert [r["level"] for r in rounds] == ["0:Linear", "2:Linear", "4:Linear", "6:Linear"]
         assert all(sorted(r["upload_bytes"]) == ["0", "1"] for r in rounds)
-        assert rounds[0]["upload_bytes"]["0"] == 4 * (785 * 785 + 2 * 785 * 512 + 512 * 512)
+        assert rounds[0]["upload_bytes"]["0"] == 4 * (785 * 785 + 2 * 785 * WIDTH + WIDTH**2)
         assert accuracy["fused"][name]["accuracy"] > accuracy["ensemble"]["accuracy"]
 
     # the fused checkpoint is the model that was evaluated
