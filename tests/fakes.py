@@ -24,7 +24,33 @@ def reply_from(content: RecordDict, node: int) -> Message:
     return Message(content=content, reply_to=incoming)
 
 
-class SitesGrid:
+class HeldReplies:
+    """What the fake Grids share: each reply held under its message id until the server pulls
+    it; ``received`` lists every reply the server was handed, in order."""
+
+    def __init__(self) -> None:
+        self._outstanding: dict[str, Message] = {}
+        self.received: list[Message] = []
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        """Flower's Grid.send_and_receive: push, then pull every reply (SecAgg+ uses it)."""
+        return self.pull_messages(self.push_messages(list(messages)))
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for mid in message_ids:
+            reply = self._outstanding.pop(mid, None)
+            if reply is not None:
+                reply.metadata.__dict__["_reply_to_message_id"] = mid
+                replies.append(reply)
+                self.received.append(reply)
+        return replies
+
+
+class SitesGrid(HeldReplies):
     """A Grid whose sites are fedfuse's real ClientApp handlers, called in this process.
 
     ``sites`` maps node ids to node configs; each pushed message is answered by the ClientApp's
@@ -43,11 +69,9 @@ class SitesGrid:
             for node, config in sites.items()
         }
         self.run = type("Run", (), {"run_id": run_id})()
+        super().__init__()
         self.pushed: list[Message] = []
-        self._outstanding: dict[str, Message] = {}
         self.handler = handler
-        #: every reply the server was handed, in order
-        self.received: list[Message] = []
 
     def get_node_ids(self):
         return list(self.sites)
@@ -84,20 +108,6 @@ class SitesGrid:
             self._outstanding[mid] = reply
             ids.append(mid)
         return ids
-
-    def send_and_receive(self, messages, *, timeout=None):
-        """Flower's Grid.send_and_receive: push, then pull every reply (SecAgg+ uses it)."""
-        return self.pull_messages(self.push_messages(list(messages)))
-
-    def pull_messages(self, message_ids):
-        replies = []
-        for mid in message_ids:
-            reply = self._outstanding.pop(mid, None)
-            if reply is not None:
-                reply.metadata.__dict__["_reply_to_message_id"] = mid
-                replies.append(reply)
-                self.received.append(reply)
-        return replies
 
 
 def hospital_files(root, count, test_samples=200):

@@ -144,14 +144,18 @@ def test_a_plain_app_sends_class_gaussians_from_add_fusion_extras_and_they_compl
     site_data = [(torch.randn(30, 4) + k, torch.arange(30) % 3) for k in range(2)]
     fusion_set = (torch.randn(12, 4), torch.arange(12) % 3)
     completion = GaussianFusionSet(samples=9, rank=2)
-    strategy = OneShotFusion(
-        "kf-linear,fedavg",
-        model_fn=lambda: type(template)(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
-        fusion_set=fusion_set,
-        client_extras=True,
-        gaussians=completion,
-        store=tmp_path,
-    )
+
+    def plain_strategy(methods: str, store) -> OneShotFusion:
+        return OneShotFusion(
+            methods,
+            model_fn=lambda: type(template)(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+            fusion_set=fusion_set,
+            client_extras=True,
+            gaussians=completion,
+            store=store,
+        )
+
+    strategy = plain_strategy("kf-linear,fedavg", tmp_path)
     nodes = [3, 8]
     initial = ArrayRecord(template.state_dict())
     messages = list(strategy.configure_train(1, initial, ConfigRecord(), NodesGrid(nodes)))
@@ -170,14 +174,7 @@ def test_a_plain_app_sends_class_gaussians_from_add_fusion_extras_and_they_compl
     assert torch.allclose(sent[1].means, expected.means.to(sent[1].means.dtype))
     assert completion.seconds is not None  # the fusion set was completed from them
     # a site that sends none, when asked, is named and left out
-    strategy = OneShotFusion(
-        "kf-linear",
-        model_fn=lambda: type(template)(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
-        fusion_set=fusion_set,
-        client_extras=True,
-        gaussians=completion,
-        store=tmp_path / "again",
-    )
+    strategy = plain_strategy("kf-linear", tmp_path / "again")
     messages = list(strategy.configure_train(1, initial, ConfigRecord(), NodesGrid(nodes)))
     metrics = MetricRecord({"num-examples": 30})
     bare = RecordDict({"arrays": ArrayRecord(nets[0].state_dict()), "metrics": metrics})

@@ -24,6 +24,7 @@ from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import StatisticsRequest
 from fedfuse.models import ModelAdapter
 from fedfuse.strategies import MethodsUnfit, OneShotFusion
+from tests.fakes import HeldReplies
 
 pytestmark = pytest.mark.usefixtures("task_identity", "one_thread")
 SHAPE = (1, 6, 6)
@@ -61,7 +62,7 @@ def _context(node: int, **node_config) -> Context:
     return Context(7, node, {"partition-id": node % 10, **node_config}, RecordDict(), {})
 
 
-class _PlainAppGrid:
+class _PlainAppGrid(HeldReplies):
     """A Grid whose sites are a template ClientApp: they answer the train message with their
     net's weights and ``num-examples``, and statistics rounds with ``answer_statistics`` on
     their own data (a ``DataLoader``); each site's Context persists, as Flower's does."""
@@ -69,8 +70,8 @@ class _PlainAppGrid:
     def __init__(self, nets: dict[int, nn.Module], data: dict[int, tuple], **node_config) -> None:
         self.nets, self.data = nets, data
         self.contexts = {node: _context(node, **node_config) for node in nets}
+        super().__init__()
         self.statistics_replies: list[Message] = []
-        self._outstanding: dict[str, Message] = {}
         self._count = 0
 
     def get_node_ids(self) -> list[int]:
@@ -97,15 +98,6 @@ class _PlainAppGrid:
             self._outstanding[mid] = reply
             ids.append(mid)
         return ids
-
-    def pull_messages(self, message_ids):
-        replies = []
-        for mid in message_ids:
-            reply = self._outstanding.pop(mid, None)
-            if reply is not None:
-                reply.metadata.__dict__["_reply_to_message_id"] = mid
-                replies.append(reply)
-        return replies
 
 
 @pytest.mark.parametrize("method", ["kf-sites", "hf-sites"])
