@@ -63,8 +63,9 @@ PROBE_TARGETS = ("ensemble", "labels")
 class FusionSetTraining(FusionMethod):
     """What knowledge distillation and the linear probe share: the optimisation options (with
     their defaults; a subclass forwards them as ``**inherited``), the ensemble teacher, the fit
-    and the before/after report (:meth:`_fuse`). A subclass says what learns (:meth:`_learner`)
-    and the cross-entropy share of its loss (:meth:`_ce_share`)."""
+    and the before/after report (:meth:`_fuse`). A subclass says which model it returns
+    (:meth:`_start`), what of it learns (:meth:`_learner`) and the cross-entropy share of its
+    loss (:meth:`_ce_share`)."""
 
     kind = KIND
     requires = frozenset({"data"})
@@ -140,15 +141,16 @@ class FusionSetTraining(FusionMethod):
         )
 
     @abstractmethod
+    def _start(self, models: list[LeveledModel], target: ModelSpec) -> LeveledModel:
+        """The model to train and return (a new one: ``models`` stay as they are)."""
+
+    @abstractmethod
     def _learner(
-        self,
-        models: list[LeveledModel],
-        target: ModelSpec,
-        data: torch.Tensor,
-        device: torch.device,
-    ) -> tuple[LeveledModel, nn.Module, torch.Tensor, dict[str, Any]]:
-        """The model to return, the module that learns (its parameters with ``requires_grad``),
-        the rows that module reads (on ``device``) and what the details say of them."""
+        self, model: LeveledModel, data: torch.Tensor, device: torch.device
+    ) -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
+        """``model`` moved to ``device``; then the module of it that learns (its parameters with
+        ``requires_grad``), the rows that module reads (on ``device``) and what the details say
+        of them."""
 
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
@@ -159,7 +161,8 @@ class FusionSetTraining(FusionMethod):
         assert data is not None
         labels = inputs.labels
         teacher = ensemble_log_probs(models, data, device=device)
-        model, module, rows, described = self._learner(models, target, data, device)
+        model = self._start(models, target)
+        module, rows, described = self._learner(model, data, device)
         before = agreement(predict(model, data, device=device), teacher, labels, self.temperature)
         info = fit_to_teacher(
             module,
@@ -247,17 +250,15 @@ class KnowledgeDistillation(FusionSetTraining):
                 "use student_init='fresh'"
             )
 
+    def _start(self, models: list[LeveledModel], target: ModelSpec) -> LeveledModel:
+        return initial_student(self.name, self.student_init, models, target, self.seed)
+
     def _learner(
-        self,
-        models: list[LeveledModel],
-        target: ModelSpec,
-        data: torch.Tensor,
-        device: torch.device,
-    ) -> tuple[LeveledModel, nn.Module, torch.Tensor, dict[str, Any]]:
-        student = initial_student(self.name, self.student_init, models, target, self.seed)
-        student = student.to(device)
+        self, model: LeveledModel, data: torch.Tensor, device: torch.device
+    ) -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
+        student = model.to(device)
         student.requires_grad_(True)
-        return student, student, data.to(device), {"student_init": self.student_init}
+        return student, data.to(device), {"student_init": self.student_init}
 
 
 @register_fusion_method
@@ -325,14 +326,13 @@ class LinearProbe(FusionSetTraining):
             )
         return super()._fuse(models, inputs, target)
 
+    def _start(self, models: list[LeveledModel], target: ModelSpec) -> LeveledModel:
+        return copy.deepcopy(models[self.body])
+
     def _learner(
-        self,
-        models: list[LeveledModel],
-        target: ModelSpec,
-        data: torch.Tensor,
-        device: torch.device,
-    ) -> tuple[LeveledModel, nn.Module, torch.Tensor, dict[str, Any]]:
-        probe = copy.deepcopy(models[self.body]).to(device).eval()
+        self, model: LeveledModel, data: torch.Tensor, device: torch.device
+    ) -> tuple[nn.Module, torch.Tensor, dict[str, Any]]:
+        probe = model.to(device).eval()
         head_index = probe.neuron_levels[-1]
         probe.requires_grad_(False)
         head = probe.levels[head_index]
@@ -349,4 +349,4 @@ class LinearProbe(FusionSetTraining):
             "body": self.body,
             "head_level": probe.level_name(head_index),
         }
-        return probe, head, features, described
+        return head, features, described
