@@ -245,15 +245,11 @@ def terms_from_sources(
 
 
 def site_sum_terms(
-    summed: SummedRequest,
-    model: LeveledModel,
-    data: torch.Tensor,
-    *,
-    batch_size: int = 256,
-    device: str | torch.device = "auto",
+    summed: SummedRequest, model: LeveledModel, data: torch.Tensor, **options: Any
 ) -> dict[str, torch.Tensor]:
-    """A site's part of a summed round on its own ``data`` with its own ``model``."""
-    sources = site_sources(summed.request, model, data, batch_size=batch_size, device=device)
+    """A site's part of a summed round on its own ``data`` with its own ``model`` (``options``:
+    :func:`site_sources`' ``batch_size`` and ``device``)."""
+    sources = site_sources(summed.request, model, data, **options)
     return terms_from_sources(summed, model, sources)
 
 
