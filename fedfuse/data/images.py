@@ -10,6 +10,7 @@ conversion rule serves every source.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +107,19 @@ def resize_images(
     return out
 
 
-def read_image(path: str | Path, shape: Shape) -> np.ndarray:
-    """One image file as uint8 ``shape``; every failure names the file."""
+def read_image(
+    path: str | Path, shape: Shape, sizes: Counter[tuple[int, int]] | None = None
+) -> np.ndarray:
+    """One image file as uint8 ``shape``; every failure names the file. ``sizes``, when given,
+    counts the file's own size ``(height, width)`` (before any resize)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():  # PIL warns below twice its pixel limit: refuse too
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as image:
+                if sizes is not None:
+                    sizes[(image.height, image.width)] += 1
                 return _pil_to_uint8(image, shape, str(path))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise DataFormatError(

@@ -9,6 +9,8 @@ and normalised as the sites did, and each gets the name of its most probable cla
 from __future__ import annotations
 
 import logging
+import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +57,16 @@ class Predictions:
         return "\n".join(rows) + "\n"
 
 
+#: first characters that make a spreadsheet read a cell as a formula (CSV injection)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _csv_field(text: str) -> str:
-    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n') else text
+    """``text`` as one CSV field: quoted where it holds a comma, quote or line break, and
+    prefixed with ``'`` where a spreadsheet would run it as a formula (a file named ``=cmd``)."""
+    if text.startswith(FORMULA_STARTS):
+        text = "'" + text
+    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n\r') else text
 
 
 def input_recipe(
@@ -80,8 +90,13 @@ def input_recipe(
             "records it); give the federation's --mean and --std"
         )
     channels = shape[0]
-    if len(mean) != channels or len(std) != channels or min(float(s) for s in std) <= 0:
+    if len(mean) != channels or len(std) != channels:
         raise ValueError(f"{source}: normalisation mean {mean}, std {std} for {channels} channels")
+    if not all(math.isfinite(float(v)) for v in (*mean, *std)) or min(map(float, std)) <= 0:
+        raise ValueError(
+            f"{source}: normalisation mean {list(mean)}, std {list(std)}: every value must be "
+            "finite and every std positive (the model would answer NaN or one class for all)"
+        )
     names = meta.get("class_names")
     num_classes = checkpoint.model.spec.num_classes
     if not names or len(names) != num_classes:
@@ -106,8 +121,10 @@ def read_inputs(
         if not files:
             raise ValueError(f"{source}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
         images = np.empty((len(files), *shape), dtype=np.uint8)
+        sizes: Counter[tuple[int, int]] = Counter()
         for i, path in enumerate(tqdm(files, desc="reading images", unit="image", leave=False)):
-            images[i] = read_image(path, shape)
+            images[i] = read_image(path, shape, sizes)
+        _warn_resized(source, sizes, shape)
         return [str(p.relative_to(source)) for p in files], images
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such image file or folder")
@@ -116,9 +133,31 @@ def read_inputs(
             if "images" not in reader.files:
                 raise ValueError(f"{source}: has no 'images' array (keys {reader.files})")
             images = to_nchw(reader.read("images"), source)
+        _warn_resized(source, Counter({images.shape[2:]: len(images)}), shape)
         images = resize_images(images, shape, str(source), max_bytes=max_bytes)
         return [f"{source.name}:{i}" for i in range(len(images))], images
-    return [source.name], read_image(source, shape)[None]
+    sizes = Counter()
+    image = read_image(source, shape, sizes)
+    _warn_resized(source, sizes, shape)
+    return [source.name], image[None]
+
+
+def _warn_resized(source: Path, sizes: Counter, shape: tuple[int, int, int]) -> None:
+    """Warn when images of ``source`` are not of the model's size (they are resized to it: a
+    model trained on other images answers anyway, so say so)."""
+    other = {size: n for size, n in sizes.items() if tuple(size) != shape[1:]}
+    if other:
+        found = ", ".join(f"{n} of {h}x{w}" for (h, w), n in sorted(other.items()))
+        log.warning(
+            "%s: %d of %d images are not %dx%d, the model's input size (%s); they were resized: "
+            "check that these are the kind of images the model was trained on",
+            source,
+            sum(other.values()),
+            sum(sizes.values()),
+            shape[1],
+            shape[2],
+            found,
+        )
 
 
 @torch.no_grad()

@@ -82,6 +82,45 @@ def test_predict_without_a_recorded_normalisation_says_what_to_give(tmp_path, di
     assert capsys.readouterr().out.splitlines()[1].split(",")[1] in [str(i) for i in range(10)]
 
 
+@pytest.mark.parametrize("std", ["nan", "inf", "0"])
+def test_predict_refuses_a_normalisation_that_would_answer_nonsense(tmp_path, digits, capsys, std):
+    """A NaN std gave NaN for every image and an Inf std one class for all, with exit 0."""
+    model = build_model(RunSettings(dataset="digits", mlp_widths="16").model_spec_for(digits))
+    bare = save_checkpoint(tmp_path / "bare.safetensors", model)
+    np.savez(tmp_path / "new.npz", images=digits.images.numpy())
+    argv = ["predict", str(bare), str(tmp_path / "new.npz"), "--mean", "0.3", "--std", std]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bare) in err and "finite" in err and "positive" in err
+
+
+def test_predict_warns_of_images_not_of_the_models_size(tmp_path, checkpoint, digits, caplog):
+    path, _ = checkpoint
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    for i, image in enumerate(digits.images[:3]):
+        size = 8 if i else 32  # the model's 8x8, and one photo of another size
+        Image.fromarray(image[0].numpy()).resize((size, size)).save(folder / f"scan-{i}.png")
+    with caplog.at_level("WARNING", logger="fedfuse.deploy.predict"):
+        assert main(["predict", str(path), str(folder), "--out", str(tmp_path / "p.csv")]) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"{folder}: 1 of 3 images are not 8x8" in warning and "1 of 32x32" in warning
+
+
+def test_predictions_csv_quotes_what_a_spreadsheet_would_run():
+    from fedfuse.deploy.predict import Predictions
+
+    rows = Predictions(
+        ["=cmd|'/c calc'!A1", "a,b.png", "+1.png", "ok.png"], [0] * 4, ["x"] * 4, [1.0] * 4
+    )
+    assert rows.csv().splitlines()[1:] == [
+        "'=cmd|'/c calc'!A1,x,1.000",
+        '"a,b.png",x,1.000',
+        "'+1.png,x,1.000",
+        "ok.png,x,1.000",
+    ]
+
+
 def test_status_names_the_sites_and_exits_zero_only_when_ok(tmp_path, capsys):
     report = {
         "status": "partial",
