@@ -26,13 +26,11 @@ from fedfuse.federation.plain_site import EXTRAS, compute_site_extras
 from .records import (
     CONFIG_KEY,
     EXTRAS_KEY,
-    FISHER_KEY,
-    GAUSSIANS_KEY,
-    GRAMS_KEY,
     SCORE_METHOD_KEY,
     SCORES_KEY,
     SECONDS_PREFIX,
     SEND_GAUSSIANS_KEY,
+    put_site_arrays,
 )
 
 
@@ -91,12 +89,7 @@ def add_fusion_extras(
     if extras.scores is not None:
         content[SCORES_KEY] = ArrayRecord({str(k): v for k, v in extras.scores.items()})
         facts[SCORE_METHOD_KEY] = extras.score_method
-    if extras.grams is not None:
-        content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in extras.grams.items()})
-    if extras.fisher is not None:
-        content[FISHER_KEY] = ArrayRecord(dict(extras.fisher))
-    if extras.class_gaussians is not None:
-        content[GAUSSIANS_KEY] = ArrayRecord(extras.class_gaussians.to_tensors())
+    put_site_arrays(content, extras.grams, extras.fisher, extras.class_gaussians)
     if extras.class_counts is not None:
         facts["class-counts"] = extras.class_counts
     for phase, seconds in extras.seconds.items():

@@ -11,7 +11,7 @@ Both sides use these helpers, so the record keys are defined once. Tensors trave
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.upload_request import ROUND_KINDS, UploadRequest
 from fedfuse.federation.uploads import ClientUpload
+from fedfuse.fusion.statistics.class_gaussians import ClassGaussians
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS
 from fedfuse.fusion.statistics.privacy import GaussianStatistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
@@ -227,13 +228,25 @@ def pack_upload(upload: ClientUpload) -> RecordDict:
     )
     if upload.class_counts is not None:  # None: the site's policy keeps them
         content.config_records[SITE_KEY]["class-counts"] = [int(c) for c in upload.class_counts]
-    if upload.grams is not None:
-        content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in upload.grams.items()})
-    if upload.fisher is not None:
-        content[FISHER_KEY] = ArrayRecord(dict(upload.fisher))
-    if upload.class_gaussians is not None:
-        content[GAUSSIANS_KEY] = ArrayRecord(upload.class_gaussians.to_tensors())
+    put_site_arrays(content, upload.grams, upload.fisher, upload.class_gaussians)
     return content
+
+
+def put_site_arrays(
+    content: RecordDict,
+    grams: Mapping[int, torch.Tensor] | None,
+    fisher: Mapping[str, torch.Tensor] | None,
+    class_gaussians: ClassGaussians | None,
+) -> None:
+    """Put a site's Grams, Fisher and class Gaussians into the reply ``content``, each under its
+    key (one that is None is left out): what :func:`pack_upload` and the plain app's
+    ``add_fusion_extras`` both send."""
+    if grams is not None:
+        content[GRAMS_KEY] = ArrayRecord({str(k): v for k, v in grams.items()})
+    if fisher is not None:
+        content[FISHER_KEY] = ArrayRecord(dict(fisher))
+    if class_gaussians is not None:
+        content[GAUSSIANS_KEY] = ArrayRecord(class_gaussians.to_tensors())
 
 
 def unpack_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
