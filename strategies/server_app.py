@@ -69,6 +69,16 @@ def _run_directory(root: Path, label: str, run_id: int) -> Path:
     return directory
 
 
+#: the longest method list written whole into a run directory's name (a name's limit is 255)
+LABEL_CHARACTERS = 80
+
+
+def _label(names: list[str]) -> str:
+    """The methods' part of the run directory's name: all of them, or the first and a count."""
+    label = "+".join(names)
+    return label if len(label) <= LABEL_CHARACTERS else f"{names[0]}+{len(names) - 1}-more"
+
+
 def _shortfalls(report: dict[str, Any]) -> list[str]:
     """What keeps a finished run from being ``ok``: each site left out (by name, with its
     status and reason), each failed fusion method and fine-tuning."""
@@ -105,7 +115,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         settings = RunSettings.from_config(context.run_config)
         methods = settings.fusion_methods()
-        root, label = Path(settings.output_dir), "+".join(m.name for m in methods)
+        root, label = Path(settings.output_dir), _label([m.name for m in methods])
     except Exception as error:
         root, label = Path(str(context.run_config.get("output-dir", "outputs"))), "invalid-config"
         out = _run_directory(root, label, grid.run.run_id)

@@ -7,6 +7,7 @@ whose errors name the method, the option and the accepted ones.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,8 +40,13 @@ def make_fusion_method(name: str, **options: Any) -> FusionMethod:
 def parse_method_names(names: str) -> list[str]:
     """The method names of a comma list, ``"kf-linear, otfusion"`` -> ``["kf-linear",
     "otfusion"]`` (blanks dropped; the names are not looked up). The one place such a list is
-    split: the run config's ``strategy``, ``fedfuse speed --methods``."""
-    return [n.strip() for n in names.split(",") if n.strip()]
+    split: the run config's ``strategy``, ``fedfuse speed --methods``. A name listed twice is
+    an error (it would fuse the same uploads twice, under one name)."""
+    listed = [n.strip() for n in names.split(",") if n.strip()]
+    twice = sorted(name for name, count in Counter(listed).items() if count > 1)
+    if twice:
+        raise ValueError(f"fusion methods listed more than once: {', '.join(twice[:5])}")
+    return listed
 
 
 def make_fusion_methods(

@@ -210,3 +210,11 @@ def test_a_site_that_fails_is_named(files, tmp_path):
     failed = next(s for s in report["sites"] if s["status"] == "failed")
     assert failed["site"] == "hospital-1" and failed["node_id"] == 101
     assert "gone.npz" in failed["reason"]
+
+
+def test_a_long_method_list_names_the_run_directory_within_a_file_names_limit(tmp_path):
+    """Every method named in the run directory was 12,001 names too long for the file system."""
+    names = [f"method-{i}" for i in range(12_001)]
+    directory = server_app._run_directory(tmp_path, server_app._label(names), 7)
+    assert directory.name.endswith("-method-0+12000-more-run7") and len(directory.name) < 255
+    assert server_app._label(["kf-linear", "fedavg"]) == "kf-linear+fedavg"

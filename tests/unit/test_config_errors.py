@@ -131,6 +131,7 @@ def test_simulate_checks_the_split_before_flower(capsys, monkeypatch):
         (["--run-config", "batch-size=0"], "batch-size=0"),
         (["--run-config", 'init="nope"'], "independent, shared"),
         (["--run-config", 'strategy="kf-linaer"'], "kf-linaer"),
+        (["--run-config", 'strategy="fedavg,kf-linear,fedavg"'], "listed more than once: fedavg"),
         (["--run-config", "bogus=1"], "'bogus'"),
         (["--run-config", "local-epoch=2"], "closest: 'local-epochs'"),
     ],
