@@ -21,6 +21,7 @@ from fedfuse.deploy.credentials import (
     make_supernode_keys,
 )
 from fedfuse.io.limits import DEFAULT_MAX_BYTES, DEFAULT_MAX_CLASSES, DEFAULT_MAX_SIDE, format_bytes
+from fedfuse.settings.bounds import Range
 
 if TYPE_CHECKING:
     from fedfuse.data.arrays import SiteSummary
@@ -288,7 +289,7 @@ def register_cli(commands: argparse._SubParsersAction) -> None:
         parser.add_argument("--std", help="per-channel std of x/255, e.g. 0.353 (agreed)")
         parser.add_argument(
             "--max-side",
-            type=int,
+            type=Range(1, 1 << 16).argument("--max-side"),
             default=DEFAULT_MAX_SIDE,
             help=f"largest H or W --shape may ask for (default {DEFAULT_MAX_SIDE})",
         )

@@ -125,7 +125,12 @@ def _general_name(name: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(name))
     except ValueError:
         pass
-    if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.*-]*[A-Za-z0-9])?", name):
+    if "*" in name:
+        raise ValueError(
+            f"host {name!r}: wildcard certificates are refused (any machine under the name could "
+            "then pose as the SuperLink); name the server's host"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", name):
         raise ValueError(f"host {name!r} is neither an IP address nor a DNS name")
     return x509.DNSName(name.lower())
 

@@ -70,6 +70,13 @@ def test_bad_host_names_are_refused(tmp_path):
         make_server_certificates(tmp_path, [], loopback=False)
 
 
+@pytest.mark.parametrize("host", ["*", "*.example.org"])
+def test_a_wildcard_certificate_is_refused_before_anything_is_written(tmp_path, capsys, host):
+    assert main(["certs", "--out", str(tmp_path / "certs"), "--host", host]) == 2
+    assert "wildcard certificates are refused" in capsys.readouterr().err
+    assert not (tmp_path / "certs").exists()  # not even the CA
+
+
 def test_supernode_keys_are_read_by_flower_itself(tmp_path):
     made = make_supernode_keys(tmp_path / "keys", ["site-0", "site-1"])
     assert [k.name for k in made] == ["site-0", "site-1"]

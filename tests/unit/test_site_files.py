@@ -265,3 +265,12 @@ def test_site_data_cli_from_arrays(tmp_path, capsys):
     assert load_npz_dataset(out).input_shape == (1, 3, 3)
     assert main([*argv, "--num-classes", "2", "--out", str(tmp_path / "x.txt")]) == 2
     assert "must end in .npz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("side", ["-5", "0"])
+def test_a_max_side_below_one_is_refused(tmp_path, capsys, side):
+    argv = ["site-data", "folder", str(tmp_path), "--shape", "1x8x8", "--max-side", side]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "o.npz")])
+    assert stop.value.code == 2
+    assert "--max-side" in capsys.readouterr().err and not (tmp_path / "o.npz").exists()
