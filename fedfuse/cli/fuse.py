@@ -7,6 +7,7 @@ calls it and writes the fused checkpoint and its JSON summary.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +22,12 @@ from fedfuse.settings.bounds import (
 )
 
 if TYPE_CHECKING:
+    from fedfuse.federation.stored_gaussians import GaussianRows
+    from fedfuse.fusion import FusionMethod
+    from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
     from fedfuse.models import LeveledModel, ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -58,6 +64,21 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--method", default="kf-linear", help="fusion method: {methods}")
     parser.add_argument("--fusion-data", metavar="SPEC", help="the fusion set: {spec}")
+    parser.add_argument(
+        "--gaussian-samples",
+        type=Range(0, 10**6).argument("--gaussian-samples"),
+        metavar="N",
+        help="rows per site drawn from the class Gaussians stored in the site files (a run with "
+        "fusion-gaussian-samples > 0), appended to the fusion set, or the fusion set without "
+        "--fusion-data; 0: never (default: whenever the method reads a fusion set and the "
+        "inputs carry Gaussians, the run's own count, else 400)",
+    )
+    parser.add_argument(
+        "--gaussian-seed",
+        type=Range(0, 2**31 - 1).argument("--gaussian-seed"),
+        metavar="S",
+        help="seed of those draws, site k drawing from S+k (default: the run's own, else 0)",
+    )
     parser.add_argument(
         "--option",
         action="append",
@@ -101,6 +122,7 @@ def fuse_command(args: argparse.Namespace) -> int:
         fuse_checkpoints,
         fuse_pool,
         run_fusion_set,
+        run_gaussian_completion,
         run_pool,
     )
     from fedfuse.fusion import make_fusion_method, parse_options
@@ -133,6 +155,13 @@ def fuse_command(args: argparse.Namespace) -> int:
         fusion_data = fusion_spec.load() if fusion_spec else None
         if fusion_data is None and settings is not None:  # the run's own fusion set
             fusion_data = run_fusion_set(settings, store)
+        rows = _gaussian_rows(
+            args,
+            fusion,
+            [e.path for e in store.entries],
+            pool.spec,
+            run_gaussian_completion(settings),
+        )
         test_data = test_spec.load() if test_spec else None
         if test_data is not None:
             check_data_fits(test_data, pool.spec, f"test data {args.test_data!r}")
@@ -142,6 +171,7 @@ def fuse_command(args: argparse.Namespace) -> int:
             fusion_data=fusion_data,
             target_widths=widths,
             use_scores=not args.no_scores,
+            extra_rows=None if rows is None else (rows.inputs, rows.labels),
         )
         base_models: Sequence[LeveledModel] = pool.models
     else:
@@ -151,6 +181,7 @@ def fuse_command(args: argparse.Namespace) -> int:
         first = _first_spec(args.checkpoints[0])
         if test_data is not None and first is not None:  # fail before fusing
             check_data_fits(test_data, first, f"test data {args.test_data!r}")
+        rows = None if first is None else _gaussian_rows(args, fusion, args.checkpoints, first)
         result, checkpoints = fuse_checkpoints(
             args.checkpoints,
             args.method,
@@ -158,6 +189,7 @@ def fuse_command(args: argparse.Namespace) -> int:
             fusion_data=fusion_data,
             target_widths=widths,
             use_scores=not args.no_scores,
+            extra_rows=None if rows is None else (rows.inputs, rows.labels),
         )
         sources = [str(p) for p in args.checkpoints]
         base_models = [c.model for c in checkpoints]
@@ -169,7 +201,10 @@ def fuse_command(args: argparse.Namespace) -> int:
         "resolved_options": json_safe(fusion.options()),
         "sources": sources,
         "fusion_data": args.fusion_data or ("the run's fusion set" if run_dir else None),
-        "fusion_examples": None if fusion_data is None else len(fusion_data),
+        "fusion_examples": None
+        if fusion_data is None and rows is None
+        else (0 if fusion_data is None else len(fusion_data)) + (0 if rows is None else len(rows)),
+        "fusion_gaussians": None if rows is None else rows.summary(),
         "fusion_seconds": result.seconds,
         "details": json_safe(result.details),
     }
@@ -179,6 +214,8 @@ def fuse_command(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot write {output}: {error}") from error
     fused = describe_spec(result.model.spec)
     print(f"fused {len(sources)} models with {args.method}: {fused}")
+    if rows is not None:
+        print(f"fusion set: {rows.describe()}")
     print(format_level_summary(result))
     if test_data is not None:
         from fedfuse.federation.evaluation import evaluate_fusion, format_accuracy_table
@@ -190,6 +227,34 @@ def fuse_command(args: argparse.Namespace) -> int:
         print(format_accuracy_table(evaluation))
     print(f"fused checkpoint: {output}")
     return 0
+
+
+def _gaussian_rows(
+    args: argparse.Namespace,
+    fusion: FusionMethod,
+    paths: Sequence[str | Path],
+    spec: ModelSpec,
+    run: GaussianFusionSet | None = None,
+) -> GaussianRows | None:
+    """The fusion-set rows drawn from the class Gaussians stored in the site files at ``paths``
+    (``--gaussian-samples``; default: the run's own completion ``run``, else 400 rows per site
+    whenever the method reads a fusion set); None when none are drawn."""
+    from fedfuse.federation.stored_gaussians import (
+        DEFAULT_GAUSSIAN_SAMPLES,
+        draw_stored_gaussians,
+        reads_fusion_set,
+    )
+
+    asked = args.gaussian_samples
+    if asked == 0:
+        return None
+    if not reads_fusion_set(fusion):
+        if asked is not None:
+            log.warning("%s reads no fusion set: --gaussian-samples is ignored", fusion.name)
+        return None
+    samples = asked if asked is not None else run.samples if run else DEFAULT_GAUSSIAN_SAMPLES
+    seed = args.gaussian_seed if args.gaussian_seed is not None else run.seed if run else 0
+    return draw_stored_gaussians(paths, spec, samples, seed=seed, required=asked is not None)
 
 
 def _first_spec(path: str) -> ModelSpec | None:

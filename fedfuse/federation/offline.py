@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,13 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.upload_inputs import UploadFacts, fusion_inputs
 from fedfuse.federation.uploads import UploadStore
 from fedfuse.fusion import (
+    FusionInputs,
     FusionMethod,
     FusionResult,
     make_fusion_method,
     parse_options,
 )
+from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
 from fedfuse.io.checkpoint import Checkpoint, load_checkpoint
 from fedfuse.io.validation import as_count
 from fedfuse.models import LeveledModel, ModelSpec
@@ -241,8 +243,13 @@ def fuse_pool(
     fusion_data: ImageDataset | None = None,
     target_widths: tuple[int, ...] | None = None,
     use_scores: bool = True,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> FusionResult:
-    """Fuse ``pool``'s models with ``fusion``, after checking that it has what the method needs."""
+    """Fuse ``pool``'s models with ``fusion``, after checking that it has what the method needs.
+
+    ``extra_rows`` (normalised inputs and their labels, e.g. drawn from the sites' stored class
+    Gaussians: :mod:`fedfuse.federation.stored_gaussians`) follow ``fusion_data``'s rows in the
+    fusion set, or are the whole fusion set without it."""
     method = fusion.name
     fusion.check_run(len(pool.models), pool.spec)
     needed = set(fusion.requirements())
@@ -250,7 +257,7 @@ def fuse_pool(
         needed.add("scores")  # a method weighting by scores gets the checkpoints' own, or stops
     if fusion_data is not None:
         check_data_fits(fusion_data, pool.spec, f"fusion data {fusion_data.name!r}")
-    elif "data" in needed:
+    elif "data" in needed and extra_rows is None:
         raise ValueError(f"fusion method {method!r} needs fusion data (a fusion set), none given")
     if "grams" in needed and pool.grams is None:
         raise ValueError(
@@ -282,6 +289,8 @@ def fuse_pool(
             raise ValueError(f"{method} needs each model's {key!r}; missing in {_names(missing)}")
     facts = UploadFacts(scores, pool.sample_counts, pool.class_counts, pool.grams, pool.fisher)
     inputs = fusion_inputs(facts, fusion_data)
+    if extra_rows is not None:
+        inputs = _with_rows(inputs, *extra_rows)
     target = None
     if target_widths is not None:
         try:
@@ -292,10 +301,22 @@ def fuse_pool(
         "fusing %d models with %s (fusion set: %s samples, scores: %s)",
         len(pool.models),
         method,
-        "no" if fusion_data is None else len(fusion_data),
+        "no" if inputs.data is None else len(inputs.data),
         "yes" if scores is not None else "no",
     )
     return fusion.fuse(pool.models, inputs, target=target)
+
+
+def _with_rows(inputs: FusionInputs, rows: torch.Tensor, labels: torch.Tensor) -> FusionInputs:
+    """``inputs`` with ``rows`` (and their ``labels``) appended to the fusion set, or as it."""
+    if inputs.data is None:
+        return replace(inputs, data=rows, labels=labels)
+    data = torch.cat([inputs.data, rows.to(inputs.data.dtype)])
+    if inputs.labels is None:
+        return replace(inputs, data=data)
+    return replace(
+        inputs, data=data, labels=torch.cat([inputs.labels, labels.to(inputs.labels.dtype)])
+    )
 
 
 def fuse_checkpoints(
@@ -306,6 +327,7 @@ def fuse_checkpoints(
     fusion_data: ImageDataset | None = None,
     target_widths: tuple[int, ...] | None = None,
     use_scores: bool = True,
+    extra_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[FusionResult, list[Checkpoint]]:
     """Load the checkpoints at ``paths`` and fuse them with the registered ``method``.
 
@@ -317,6 +339,7 @@ def fuse_checkpoints(
         target_widths: hidden widths of the fused model (default: the first model's).
         use_scores: pass the checkpoints' importance scores to the method. When the method
             weights by importance and some checkpoint has none, that is an error naming it.
+        extra_rows: normalised inputs and labels appended to the fusion set (:func:`fuse_pool`).
 
     Returns:
         The fusion result and the loaded checkpoints (base models first to last).
@@ -349,7 +372,12 @@ def fuse_checkpoints(
         missing_class_counts=missing_classes,
     )
     result = fuse_pool(
-        pool, fusion, fusion_data=fusion_data, target_widths=target_widths, use_scores=use_scores
+        pool,
+        fusion,
+        fusion_data=fusion_data,
+        target_widths=target_widths,
+        use_scores=use_scores,
+        extra_rows=extra_rows,
     )
     return result, checkpoints
 
@@ -390,3 +418,11 @@ def run_fusion_set(settings: dict[str, Any], store: UploadStore) -> ImageDataset
     run = RunSettings.from_config(settings, allow_unknown=True)
     partitions = {e.num_partitions for e in store.entries}
     return Scenario(run, max(partitions)).fusion_set()
+
+
+def run_gaussian_completion(settings: dict[str, Any] | None) -> GaussianFusionSet | None:
+    """How the run recorded in ``settings`` completed its fusion set from the sites' class
+    Gaussians (rows per site and seed); None when it did not, or there are no settings."""
+    if settings is None:
+        return None
+    return RunSettings.from_config(settings, allow_unknown=True).fusion_gaussians()
