@@ -106,11 +106,19 @@ def test_fusing_identical_copies_gives_the_model_back(sites, fusion_set, method)
     assert torch.allclose(got, expected, atol=1e-3 * float(expected.abs().max()))
 
 
-@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
-def test_two_sites_fuse_into_the_users_class_better_than_averaging(sites, fusion_set, method):
+#: a gradient variant starts from the same closed-form fit (1 epoch: the test stays short)
+STARTED = {"start": "closed-form", "epochs": 1, "last_epochs": 1}
+
+
+@pytest.mark.parametrize(
+    ("method", "options"), [("kf-linear", {}), ("hf-linear", {}), ("kf-gradient", STARTED)]
+)
+def test_two_sites_fuse_into_the_users_class_better_than_averaging(
+    sites, fusion_set, method, options
+):
     data, labels = fusion_set
     inputs = FusionInputs(data, labels=labels)
-    fused = make_fusion_method(method).fuse(sites, inputs).model
+    fused = make_fusion_method(method, **options).fuse(sites, inputs).model
     fresh = SmallResNet()
     fresh.load_state_dict(fused.state_dict())  # strict: the user's names and shapes
     averaged = make_fusion_method("vanilla").fuse(sites, inputs).model
