@@ -9,6 +9,7 @@ from typing import Any
 
 from fedfuse.cli.deploy import add_max_bytes_argument, parse_floats
 from fedfuse.io.atomic import atomic_path
+from fedfuse.io.text import terminal_safe
 
 
 def predict_command(args: argparse.Namespace) -> int:
@@ -23,14 +24,15 @@ def predict_command(args: argparse.Namespace) -> int:
         device=args.device,
         max_bytes=args.max_bytes,
     )
-    if args.out is None:
-        print(predictions.csv(), end="")
+    if args.out is None:  # names from the checkpoint and the files: escaped on a terminal
+        print("".join(terminal_safe(row) + "\n" for row in predictions.csv().splitlines()), end="")
         return 0
     out = Path(args.out).expanduser()
     with atomic_path(out) as tmp:
         tmp.write_text(predictions.csv())
     counts = Counter(predictions.classes)
-    print(f"{len(predictions.images)} images: " + ", ".join(f"{c} {n}" for c, n in counts.items()))
+    summary = ", ".join(f"{c} {n}" for c, n in counts.items())
+    print(terminal_safe(f"{len(predictions.images)} images: {summary}"))
     print(f"wrote {out}")
     return 0
 

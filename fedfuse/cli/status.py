@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fedfuse.io.limits import format_bytes
+from fedfuse.io.text import terminal_safe
+
 #: exit code of each run status (a script tests ``fedfuse status`` like any command)
 EXIT_CODES = {"ok": 0, "partial": 3, "running": 4, "stopped": 5, "failed": 1}
 
@@ -25,43 +28,74 @@ def results_file(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: no results.json here (give a run folder or an output folder)")
 
 
+#: the largest results.json read (a 100-site run writes well under 1 MiB)
+MAX_RESULTS_BYTES = 64 << 20
+
+
 def describe(report: dict[str, Any]) -> list[str]:
-    """The lines ``fedfuse status`` prints for a run's report."""
+    """The lines ``fedfuse status`` prints for a run's report (every field from the file shown
+    with its control characters escaped, :func:`~fedfuse.io.text.terminal_safe`).
+
+    Raises:
+        ValueError: a field is not of the shape a fedfuse run writes (names the field).
+    """
     status = str(report.get("status", "unknown"))
     lines = [status]
     if report.get("error"):
         phase = f" (phase {report['failed_phase']})" if report.get("failed_phase") else ""
         lines.append(f"  why{phase}: {report['error']}")
-    for site in report.get("sites", []):
+    for index, site in enumerate(_list_of_objects(report, "sites")):
+        if "status" not in site:
+            raise ValueError(f"sites[{index}] has no 'status'")
         name = site.get("site") or (
             f"client {site['partition_id']}" if site.get("partition_id") is not None else "?"
         )
-        line = f"  site {name:<16} node {site.get('node_id')}  {site['status']}"
+        line = f"  site {name!s:<16} node {site.get('node_id')}  {site['status']}"
         if site["status"] == "uploaded":
             line += f" ({site.get('num_examples')} samples)"
         else:
             line += f": {site.get('reason', '')}"
         lines.append(line)
-    for name, fusion in report.get("fusions", {}).items():
+    fusions = report.get("fusions", {})
+    if not isinstance(fusions, dict) or not all(isinstance(f, dict) for f in fusions.values()):
+        raise ValueError("'fusions' is not an object of method objects")
+    for name, fusion in fusions.items():
         if fusion.get("checkpoint"):
             lines.append(f"  fused {name}: {fusion['checkpoint']}")
         elif fusion.get("status") == "failed":
             lines.append(f"  fused {name}: FAILED: {fusion.get('error')}")
-    return lines
+    return [terminal_safe(line) for line in lines]
+
+
+def _list_of_objects(report: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    entries = report.get(key, [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{key!r} is not a list of objects")
+    return entries
 
 
 def status_command(args: argparse.Namespace) -> int:
     path = results_file(args.run)
+    size = path.stat().st_size
+    if size > MAX_RESULTS_BYTES:
+        raise ValueError(
+            f"{path}: {format_bytes(size)}, larger than any run's results "
+            f"({format_bytes(MAX_RESULTS_BYTES)} at most); not reading it"
+        )
     try:
         report = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: not a readable results file ({error})") from None
     if not isinstance(report, dict):
         raise ValueError(f"{path}: not a results file (no JSON object)")
+    try:
+        lines = describe(report)
+    except ValueError as error:
+        raise ValueError(f"{path}: not a results file of a fedfuse run: {error}") from None
     if args.json:
         print(json.dumps({k: report.get(k) for k in ("status", "error", "sites")}, indent=2))
     else:
-        print("\n".join(describe(report)))
+        print("\n".join(lines))
     return EXIT_CODES.get(str(report.get("status")), 1)
 
 

@@ -15,7 +15,7 @@ from fedfuse.cli.status import EXIT_CODES, describe
 from fedfuse.data import load_dataset
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.provenance import fused_model_metadata
-from fedfuse.io.checkpoint import save_checkpoint
+from fedfuse.io.checkpoint import load_checkpoint, save_checkpoint
 from fedfuse.models import build_model
 from fedfuse.settings.run import RunSettings
 
@@ -146,3 +146,44 @@ def test_status_names_the_sites_and_exits_zero_only_when_ok(tmp_path, capsys):
     assert main(["status", str(run)]) == 0
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert "no results.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("report", "named"),
+    [
+        ({"status": "ok", "sites": [{"site": "a"}]}, "sites[0] has no 'status'"),
+        ({"status": "ok", "sites": "all"}, "'sites' is not a list of objects"),
+        ({"status": "ok", "fusions": {"kf-linear": 3}}, "'fusions' is not an object"),
+    ],
+)
+def test_status_of_a_results_file_of_another_shape_names_the_file(tmp_path, capsys, report, named):
+    """Valid JSON of the wrong shape ended in a bare KeyError: 'status', without the file."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(report))
+    assert main(["status", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and named in err
+
+
+def test_status_refuses_a_results_file_larger_than_any_run_writes(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    with path.open("wb") as file:  # sparse: 65 MiB on paper, nothing on disk
+        file.truncate(65 << 20)
+    assert main(["status", str(path)]) == 2
+    assert "65.0 MiB, larger than any run's results" in capsys.readouterr().err
+
+
+def test_control_characters_from_files_are_shown_not_obeyed(tmp_path, capsys, checkpoint, digits):
+    escape = "\x1b]0;pwned\x07\x1b[2J"
+    report = {"status": "failed", "error": f"boom{escape}", "sites": []}
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    assert main(["status", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines()[1] == "  why: boom\\x1b]0;pwned\\x07\\x1b[2J"
+    path, model = checkpoint
+    names = [f"digit-{i}{escape}" for i in range(10)]
+    loaded = load_checkpoint(path)
+    save_checkpoint(path, model, metadata={**loaded.metadata, "class_names": names})
+    np.savez(tmp_path / "new.npz", images=digits.images[:2].numpy())
+    assert main(["predict", str(path), str(tmp_path / "new.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;pwned\\x07" in out
