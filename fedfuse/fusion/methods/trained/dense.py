@@ -180,6 +180,31 @@ class _Synthesis:
         self.device = device
         self.latent = latent
 
+    @classmethod
+    def against(
+        cls,
+        models: Sequence[LeveledModel],
+        spec: ModelSpec,
+        *,
+        seed: int,
+        device: str,
+        **options: Any,
+    ) -> _Synthesis:
+        """A synthesis of inputs of ``spec`` against frozen copies of ``models`` on ``device``
+        (resolved), its noise and labels drawn from a generator seeded with ``seed`` (its
+        ``rng``); ``options``: the constructor's ``latent``, ``lr``, ``batch_size``,
+        ``bn_weight`` and ``adversarial_weight``. What :func:`synthesize_fusion_set` and
+        :class:`Dense` both start from."""
+        torch_device = resolve_device(device)
+        return cls(
+            _frozen(models, torch_device),
+            spec.input_shape,
+            spec.num_classes,
+            generator=torch.Generator().manual_seed(seed),
+            device=torch_device,
+            **options,
+        )
+
     def noise(self, count: int) -> torch.Tensor:
         return torch.randn(count, self.latent, generator=self.rng).to(self.device)
 
@@ -248,28 +273,23 @@ def synthesize_fusion_set(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A synthetic fusion set of ``samples`` inputs and the ensemble's labels, from DENSE's
     generator trained ``epochs`` steps against ``models`` (module docstring; no data)."""
-    torch_device = resolve_device(device)
-    generator = torch.Generator().manual_seed(seed)
-    spec = models[0].spec
-    teachers = _frozen(models, torch_device)
-    synthesis = _Synthesis(
-        teachers,
-        spec.input_shape,
-        spec.num_classes,
+    synthesis = _Synthesis.against(
+        models,
+        models[0].spec,
+        seed=seed,
+        device=device,
         latent=latent,
         lr=lr,
         batch_size=batch_size,
         bn_weight=bn_weight,
         adversarial_weight=0.0,
-        generator=generator,
-        device=torch_device,
     )
     try:
         for _ in tqdm(range(epochs), desc="synthetic fusion set", disable=None, leave=False):
             synthesis.step(None)
         inputs = synthesis.sample(samples)
         with torch.no_grad():
-            labels = _teacher_logits(teachers, inputs).argmax(1)
+            labels = _teacher_logits(synthesis.teachers, inputs).argmax(1)
     finally:
         synthesis.close()
     return inputs.cpu(), labels.cpu()
@@ -375,25 +395,22 @@ class Dense(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         started = time.perf_counter()
-        device = resolve_device(self.device)
-        generator = torch.Generator().manual_seed(self.seed)
-        teachers = _frozen(models, device)
         student = initial_student(self.name, self.student_init, models, target, self.seed)
-        student = student.to(device)
-        optimizer = torch.optim.SGD(student.parameters(), lr=self.lr, momentum=0.9)
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(self.epochs, 1))
-        synthesis = _Synthesis(
-            teachers,
-            target.input_shape,
-            target.num_classes,
+        synthesis = _Synthesis.against(
+            models,
+            target,
+            seed=self.seed,
+            device=self.device,
             latent=self.latent,
             lr=self.generator_lr,
             batch_size=self.batch_size,
             bn_weight=self.bn_weight,
             adversarial_weight=self.adversarial_weight,
-            generator=generator,
-            device=device,
         )
+        device, generator, teachers = synthesis.device, synthesis.rng, synthesis.teachers
+        student = student.to(device)
+        optimizer = torch.optim.SGD(student.parameters(), lr=self.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(self.epochs, 1))
         memory: list[tuple[torch.Tensor, torch.Tensor]] = []
         history = []
         try:
