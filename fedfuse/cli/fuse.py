@@ -147,6 +147,13 @@ def fuse_command(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else _default_output(run_dir, args.method)
     if output.is_dir():
         raise ValueError(f"output {output} is a directory; give a checkpoint file name")
+    inputs = [Path(c) for c in args.checkpoints] + [
+        Path(s) for s in (args.fusion_data, args.test_data) if s
+    ]
+    if run_dir is not None:  # the run's uploads are inputs too
+        inputs += sorted((run_dir / "clients").glob("*.safetensors"))
+    if output.exists() and any(p.is_file() and output.samefile(p) for p in inputs):
+        raise ValueError(f"--output {output} is one of the inputs; it would be overwritten")
 
     if run_dir is not None:
         pool, store, settings = run_pool(run_dir)

@@ -123,6 +123,17 @@ def test_corrupt_checkpoint_exits_2_naming_it(tmp_path, checkpoints, existing, c
     assert_failed(capsys, existing, "corrupt.safetensors", "not a readable safetensors")
 
 
+def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
+    """`fedfuse fuse a b --output a` overwrote the upload a."""
+    from fedfuse.models import mlp_spec
+
+    spec = mlp_spec((1, 8, 8), 10, (8,))
+    a, b = (save_checkpoint(tmp_path / f"{n}.safetensors", build_model(spec)) for n in "ab")
+    before = a.read_bytes()
+    assert run_fuse([a, b, "--method", "fedavg", "--output", a]) == 2
+    assert "is one of the inputs" in capsys.readouterr().err and a.read_bytes() == before
+
+
 def test_missing_scores_exit_2_unless_not_needed(tmp_path, checkpoints, existing, capsys):
     bare = save_checkpoint(tmp_path / "bare.safetensors", load_checkpoint(checkpoints[1]).model)
     assert run_fuse(fuse_args([checkpoints[0], bare], existing)) == 2
