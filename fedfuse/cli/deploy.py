@@ -88,13 +88,15 @@ def _class_list(text: str | None) -> list[str] | None:
         return None
     if text.startswith("@"):
         path = Path(text[1:]).expanduser()
-        if path.is_file() and path.stat().st_size > _MAX_CLASS_FILE:
+        with path.open("rb") as file:  # read no further than the limit (/dev/zero never ends)
+            data = file.read(_MAX_CLASS_FILE + 1)
+        if len(data) > _MAX_CLASS_FILE:
             raise ValueError(
-                f"{path}: --classes file of {path.stat().st_size} bytes is too large "
-                f"(at most {_MAX_CLASS_FILE}); it holds one class name per line"
+                f"{path}: --classes file is larger than {_MAX_CLASS_FILE} bytes; it holds one "
+                "class name per line"
             )
         try:
-            text = path.read_text(encoding="utf-8")
+            text = data.decode("utf-8")
         except UnicodeDecodeError as error:
             raise ValueError(f"{path}: --classes file is not UTF-8 text ({error})") from None
         return [line.strip() for line in text.splitlines() if line.strip()]

@@ -352,3 +352,14 @@ def test_medmnist_and_idx_readers_check_sizes_first(tmp_path):
     bomb.write_bytes(gzip.compress(header + b"\0" * (1 << 20)))
     with pytest.raises(DataFormatError, match=r"idx dims \(100000000, 28, 28\) claim"):
         read_idx(bomb)
+
+
+def test_a_classes_file_that_never_ends_is_refused_at_the_limit(tmp_path):
+    """`--classes @/dev/zero` read until a bare MemoryError at 3.2 GB."""
+    root = _folder(tmp_path / "site", {"a": 1, "b": 1})
+    result = _fedfuse(
+        "site-data", "folder", root, "--shape", "1x8x8", "--classes", "@/dev/zero",
+        "--out", tmp_path / "o.npz",
+    )  # fmt: skip
+    _assert_refused(result, "/dev/zero", "larger than")
+    assert not (tmp_path / "o.npz").exists()
