@@ -83,9 +83,23 @@ def _get(batch: dict, key: str, path: Path) -> Any:
     raise DataFormatError(f"{path}: missing key {key!r} (found keys {sorted(map(str, batch))})")
 
 
+def _flat_labels(labels: Any, path: Path) -> np.ndarray:
+    """The labels as an array, refused unless they are an array or a flat list of integers: a
+    few hundred bytes of pickle can nest one list in another by reference, which ``np.asarray``
+    would expand into billions of elements."""
+    if isinstance(labels, np.ndarray):
+        return labels
+    if isinstance(labels, list) and all(type(x) is int for x in labels):
+        return np.asarray(labels)
+    kind = type(labels).__name__
+    if isinstance(labels, list):
+        kind = "a list holding " + type(next(x for x in labels if type(x) is not int)).__name__
+    raise DataFormatError(f"{path}: expected the labels as a flat list of integers, found {kind}")
+
+
 def _read_batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     batch = safe_pickle_load(path)
-    data, labels = _get(batch, "data", path), np.asarray(_get(batch, label_key, path))
+    data, labels = _get(batch, "data", path), _flat_labels(_get(batch, label_key, path), path)
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2):
         found = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data)
         raise DataFormatError(f"{path}: expected data uint8 of shape (N, 3072), found {found}")

@@ -267,6 +267,21 @@ def test_cifar_wrong_shape_is_a_clear_error(data_root: Path) -> None:
     assert str(path) in str(exc.value)
 
 
+def test_cifar_labels_nested_by_reference_are_refused_before_expanding(data_root: Path) -> None:
+    """A few hundred bytes of pickle whose labels nest one list in another by reference: read
+    as an array they would be 10**10 elements (a bare MemoryError at 3.2 GB)."""
+    labels: list = [0] * 10
+    for _ in range(9):
+        labels = [labels] * 10
+    d = data_root / "cifar-100-python"
+    d.mkdir()
+    path = d / "test"
+    path.write_bytes(pickle.dumps({"data": np.zeros((2, 3072), np.uint8), "fine_labels": labels}))
+    assert len(pickle.dumps(labels)) < 400
+    with pytest.raises(DataFormatError, match="flat list of integers, found a list holding list"):
+        load_dataset("cifar100", "test")
+
+
 class _Evil:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
