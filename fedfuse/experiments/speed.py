@@ -40,6 +40,7 @@ from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.fusion.statistics.fisher import site_fisher
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
 from fedfuse.runtime import PeakMemory, resolve_device
+from fedfuse.settings.bounds import DEFAULT_MAX_FUSED_PARAMETERS, check_model_size
 from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,9 @@ def run(args: argparse.Namespace) -> int:
     model_options = parse_options(args.model_options) if args.model_options else {}
     shape = tuple(int(d) for d in args.input_shape.split(","))
     spec = benchmark_spec(args.arch, shape, args.width, model_options)
+    # before any model is allocated (--width 1e9 asked the allocator for 6.9 TB of vgg11)
+    limit = "choose a smaller --width"
+    check_model_size(spec, DEFAULT_MAX_FUSED_PARAMETERS, f"the benchmark's {spec.arch}", limit)
     described = device_description(args.device)
     log.info("benchmarking on %s: %s", described, spec.to_dict())
     rows = measure(

@@ -110,7 +110,7 @@ def check_model_size(spec: ModelSpec, max_parameters: int, what: str, limit: str
     limit. Returns the parameter count."""
     wide = [w for w in spec.widths if w > MAX_WIDTH]
     if wide:
-        raise ValueError(f"{what}: width {wide[0]} is over the limit of {MAX_WIDTH}")
+        raise ValueError(f"{what}: width {wide[0]} is over the limit of {MAX_WIDTH} ({limit})")
     count = parameter_count(spec)
     if count > max_parameters:
         raise ValueError(

@@ -128,3 +128,17 @@ def test_cli_prints_the_table_with_the_device(capsys):
     assert "device cpu" in out
     assert "| method | seconds (median) | peak RSS GiB | peak CUDA GiB | note |" in out
     assert "| fedavg |" in out and "- fedma (refused): fedma: cannot fuse resnet" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--width", "1e9"], "width 64000000000 is over the limit"),
+        (["--arch", "mlp", "--width", "30000"], "1.89e+09 parameters, over the limit of 2e+08"),
+    ],
+)
+def test_a_model_too_large_to_build_is_refused_before_any_allocation(capsys, argv, named):
+    """`--width 1e9` ended in the allocator's raw error, asking for 6.9 TB."""
+    assert main(["speed", *argv, "--methods", "fedavg", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and named in err and "--width" in err
