@@ -3,8 +3,10 @@
 Fixtures that a whole file needs are not autouse here: such a file names them once in its
 ``pytestmark = pytest.mark.usefixtures(...)``.
 
-The suite runs on pytest-xdist workers (pyproject's ``addopts``), one per core: each worker
-keeps torch on one thread, so that the workers do not fight over the cores.
+The suite runs on pytest-xdist workers (pyproject's ``addopts``), one more than the cores: each
+worker keeps torch on one thread, and the end-to-end tests spend much of their time waiting (on
+Flower's SuperLink and SuperNodes, their 3-second polls, processes starting), which the extra
+worker fills.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import pytest
 import torch
 
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: the cores, plus one worker for the time the end-to-end tests wait."""
+    return (os.cpu_count() or 1) + 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
