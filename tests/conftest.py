@@ -19,6 +19,7 @@ import torch
 from fedfuse.models import build_model, mlp_spec, vgg11_spec
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run without xdist does not know it
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: the cores, plus one worker for the time the end-to-end tests wait."""
     return (os.cpu_count() or 1) + 1
