@@ -158,7 +158,7 @@ class OneShotRun:
         )
         save_checkpoint(path, result.model, metadata={**metadata, "fusion_seconds": result.seconds})
         self.report["fusions"][name].update(
-            status="ok", seconds=result.seconds, details=result.details, checkpoint=str(path)
+            **fused_outcome(result, len(strategy.store.entries)), checkpoint=str(path)
         )
         self.save()
         log.info("%s: fused model saved to %s", name, path)
@@ -344,13 +344,30 @@ class OneShotRun:
         for method in self.methods:
             entry = {**self._method_entry(method), **self.report["fusions"].get(method.name, {})}
             if method.name in strategy.results:
-                result = strategy.results[method.name]
-                entry.update(status="ok", seconds=result.seconds, details=result.details)
+                entry.update(
+                    fused_outcome(strategy.results[method.name], len(strategy.store.entries))
+                )
             elif method.name in strategy.failures:
                 failure = strategy.failures[method.name]
                 entry.update(status="failed", seconds=failure.seconds, error=failure.error)
             fusions[method.name] = entry
         return fusions
+
+
+def fused_outcome(result: FusionResult, uploads: int) -> dict[str, Any]:
+    """A fused model's entry in the report: ``ok``, or ``partial`` naming the sites a method
+    fitted on the sites' data went without (a model of fewer sites than the run fused)."""
+    entry: dict[str, Any] = {"status": "ok", "seconds": result.seconds, "details": result.details}
+    missing = result.missing_sites(uploads)
+    if missing:
+        used = uploads - len(missing)
+        entry.update(
+            status="partial",
+            missing_sites=missing,
+            error=f"fitted on {used} of {uploads} sites' statistics: sites {missing} gave none "
+            "in some round (see the problems above)",
+        )
+    return entry
 
 
 class ServerFileError(ValueError):

@@ -314,7 +314,9 @@ def simulate(args: argparse.Namespace) -> int:
         f"one-shot fusion with {report['strategy']!r}, init={report['init']!r}, "
         f"{len(report['clients'])} clients, fusion "
         + ", ".join(
-            f"{name} {f['seconds']:.2f} s" for name, f in fusions.items() if f["status"] == "ok"
+            f"{name} {f['seconds']:.2f} s"
+            for name, f in fusions.items()
+            if f["status"] in ("ok", "partial")
         )
         + f", run {report['wall_seconds']:.0f} s"
     )
@@ -346,7 +348,8 @@ def simulate(args: argparse.Namespace) -> int:
     if status == "partial":
         for name, fusion in fusions.items():
             if fusion["status"] != "ok":
-                print(f"fedfuse simulate: {name} FAILED: {fusion.get('error')}", file=sys.stderr)
+                outcome = fusion["status"].upper()
+                print(f"fedfuse simulate: {name} {outcome}: {fusion.get('error')}", file=sys.stderr)
         for entry in finetuned.values():
             if entry["status"] != "ok":
                 print(

@@ -321,7 +321,7 @@ def format_run_summary(report: Mapping[str, Any]) -> str:
             fusion.get("needs", ()), clients, fusion.get("details"), fusion.get("seconds")
         )
         for name, fusion in report.get("fusions", {}).items()
-        if fusion.get("status") == "ok"
+        if fusion.get("status") in ("ok", "partial")  # partial: a model of fewer sites
     }
     evaluation = report["accuracy"]
     text = format_accuracy_table(evaluation, costs, method_cost((), clients))

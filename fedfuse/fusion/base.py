@@ -46,6 +46,18 @@ class FusionResult:
     seconds: float
     details: dict[str, Any] = field(default_factory=dict)
 
+    def missing_sites(self, fused: int) -> list[int]:
+        """Of the ``fused`` models' sites (by index), those a method fitted on the sites' data
+        went without: the sites of no summed round (``details["sites"]``) or dropped in a
+        statistics round (``details["levels"][i]["dropped_sites"]``). Empty for the others."""
+        missing: set[int] = set()
+        if isinstance(self.details.get("sites"), list):
+            missing |= set(range(fused)) - set(self.details["sites"])
+        for level in self.details.get("levels") or []:
+            if isinstance(level, dict):
+                missing |= set(level.get("dropped_sites") or [])
+        return sorted(missing)
+
 
 class FusionMethod(ABC):
     """Base class of fusion methods: validate, time, and delegate to :meth:`_fuse`.

@@ -55,7 +55,8 @@ def test_a_site_answers_at_most_its_statistics_rounds_and_the_fit_goes_on_withou
     files, tmp_path
 ):
     """kf-sites on an MLP with two hidden levels asks three rounds; a site allowing one
-    answers the first, refuses the second (named in ``results.json``) and is asked no more."""
+    answers the first, refuses the second (named in ``results.json``) and is asked no more; the
+    fit goes on with the other two, and says so (``partial``: it once said ``ok``)."""
     policies = {1: {"max-statistics-rounds": 1}}
     grid, report, sites = _run(files, tmp_path, policies, "kf-sites", mlp_widths="32,32")
     asked = [
@@ -66,7 +67,11 @@ def test_a_site_answers_at_most_its_statistics_rounds_and_the_fit_goes_on_withou
     assert sites["hospital-1"]["statistics"].startswith("refused: site policy: ")
     assert "max-statistics-rounds=1" in sites["hospital-1"]["statistics"]
     assert any("hospital-1" in p and "max-statistics-rounds=1" in p for p in report["rejected"])
-    assert report["fusions"]["kf-sites"]["status"] == "ok"
+    # fitted on the other two sites from the second round on: a model, but not of every site
+    kf_sites = report["fusions"]["kf-sites"]
+    assert kf_sites["status"] == "partial" and kf_sites["missing_sites"] == [1]
+    assert "fitted on 2 of 3 sites' statistics: sites [1] gave none" in kf_sites["error"]
+    assert report["status"] == "partial" and "kf-sites" in report["accuracy"]["fused"]
 
 
 def test_a_site_with_a_misspelt_policy_key_fails_naming_it(files, tmp_path):

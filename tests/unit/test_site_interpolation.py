@@ -178,6 +178,7 @@ def test_a_silent_site_is_dropped_by_kf_and_named_by_hf():
     assert result.details["levels"][0]["dropped_sites"] == [1]
     assert all(level["sites"] == [0, 2] for level in result.details["levels"])
     assert "site 1: no reply" in result.details["problems"][0]
+    assert result.missing_sites(3) == [1]  # the run reports kf-sites as partial for it
     two = _FaultySites(models[:2], data[:2], device="cpu", fault="silent")
     with pytest.raises(ValueError, match="site 1: no reply"):
         HFSites(use_scores=False).fuse(models[:2], FusionInputs(sites=two))
