@@ -115,6 +115,7 @@ def _load_idx_dataset(
     mean: float,
     std: float,
     hints: list[str],
+    class_names: tuple[str, ...],
 ) -> ImageDataset:
     check_split(split)
     found = _find_pair(dirs, split)
@@ -141,7 +142,24 @@ def _load_idx_dataset(
         mean=(mean,),
         std=(std,),
         name=name,
+        class_names=class_names,
     )
+
+
+#: Fashion-MNIST's classes in label order (Xiao et al., 2017), so that a fused checkpoint of a
+#: default run names what it predicts
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 
 def load_fashion_mnist(split: str, root: Path, download: bool = False) -> ImageDataset:
@@ -157,7 +175,16 @@ def load_fashion_mnist(split: str, root: Path, download: bool = False) -> ImageD
         "load_dataset('fashion-mnist', download=True) to fetch it with torchvision",
     ]
     return _load_idx_dataset(
-        "fashion-mnist", split, root, dirs, download, "FashionMNIST", 0.2860, 0.3530, hints
+        "fashion-mnist",
+        split,
+        root,
+        dirs,
+        download,
+        "FashionMNIST",
+        0.2860,
+        0.3530,
+        hints,
+        FASHION_MNIST_CLASSES,
     )
 
 
@@ -170,4 +197,7 @@ def load_mnist(split: str, root: Path, download: bool = False) -> ImageDataset:
         ),
         "load_dataset('mnist', download=True) to fetch it with torchvision",
     ]
-    return _load_idx_dataset("mnist", split, root, dirs, download, "MNIST", 0.1307, 0.3081, hints)
+    digits = tuple(str(d) for d in range(10))
+    return _load_idx_dataset(
+        "mnist", split, root, dirs, download, "MNIST", 0.1307, 0.3081, hints, digits
+    )

@@ -157,6 +157,7 @@ def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
     # the fused checkpoint is the model that was evaluated
     fused = load_checkpoint(fusions["kf-linear"]["checkpoint"])
     assert fused.metadata["strategy"] == "kf-linear"
+    assert fused.metadata["class_names"][9] == "Ankle boot"  # `fedfuse predict` names them
     assert fusions["kf-linear"]["checkpoint"].endswith("/fused.safetensors")
     test = load_dataset("fashion-mnist", "test")
     reported = accuracy["fused"]["kf-linear"]["accuracy"]

@@ -120,6 +120,7 @@ def test_fashion_mnist_from_debian_package(fmnist: dict[str, ImageDataset]) -> N
         assert ds.num_classes == 10 and ds.input_shape == (1, 28, 28)
         assert ds.name == "fashion-mnist"
         assert ds.mean == pytest.approx((0.2860,)) and ds.std == pytest.approx((0.3530,))
+        assert ds.class_names[0] == "T-shirt/top" and ds.class_names[9] == "Ankle boot"
     train = fmnist["train"]
     x = train.inputs()
     assert x.dtype == torch.float32 and x.shape == (60000, 1, 28, 28)
