@@ -197,9 +197,15 @@ def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, i
     (a key set on both sides is an error), and the number of sites (``sites=``)."""
     from flwr.common.config import parse_config_args
 
-    from fedfuse.settings.hydra import FLOWER_ONLY_KEYS, compose, settings_from_config
+    from fedfuse.settings.hydra import (
+        FLOWER_ONLY_KEYS,
+        compose,
+        settings_from_config,
+        validate_overrides,
+    )
 
-    cfg = compose(overrides)
+    # an unknown key or option in one line naming the closest, as `fedfuse compare` says it
+    cfg = compose(validate_overrides(overrides))
     settings = settings_from_config(cfg)
     from_hydra = {k: v for k, v in settings.to_config().items() if k not in FLOWER_ONLY_KEYS}
     given = parse_config_args([extra]) if extra.strip() else {}

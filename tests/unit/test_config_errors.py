@@ -184,6 +184,8 @@ def test_scale_checks_its_run_config_before_the_first_run(capsys, tmp_path):
         (["compare", "a=b=("], "cannot parse override"),
         (["bench", "fmnist-sharded-2", "nonexistent=1"], "unknown config key 'nonexistent'"),
         (["bench", "nosuch"], "unknown experiment 'nosuch'"),
+        (["simulate", "bogus_key=1"], "unknown config key 'bogus_key'"),
+        (["simulate", "method.n_initt=3"], "closest: 'n_init'"),
     ],
 )
 def test_hydra_config_errors_are_one_line(capsys, argv, named):
