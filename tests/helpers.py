@@ -135,3 +135,36 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def accuracy_tables(text: str) -> list[list[list[str]]]:
+    """Every accuracy table that a run printed in ``text``, as rows (model, accuracy, loss, what
+    each site sends, best marker), without the fusion times, which vary from run to run."""
+    lines, tables = text.splitlines(), []
+    for start, header in enumerate(lines):
+        if not (header.startswith("model ") and "accuracy" in header):
+            continue
+        rows = []
+        for line in lines[start + 2 :]:
+            if line.startswith("(test set") or not line.strip():
+                break
+            cells = [c.strip() for c in line.split("  ") if c.strip()]
+            model, accuracy, loss, *rest = cells
+            sends = next((c for c in rest if c.startswith("1 upload")), "")
+            best = "best single model" if any("best single model" in c for c in rest) else ""
+            rows.append([model, accuracy, loss, sends, best])
+        tables.append(rows)
+    return tables
+
+
+def assert_same_table(printed: list[list[str]], shown: list[list[str]]) -> None:
+    """A table a document shows is the one the run printed: the same rows, losses within 0.02
+    and accuracies within 3 points (the same seeds train bit-different sites on CPUs of other
+    vector units: between two machines of this kind the ensemble moved 0.62 points and fedavg
+    1.75; an AMD EPYC without AVX-512 moved the ensemble 2.37 with its loss within 0.001), and
+    what each site sends and the best marker alike."""
+    assert [r[0] for r in printed] == [r[0] for r in shown]
+    for got, want in zip(printed, shown, strict=True):
+        assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 3.0, (got, want)
+        assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
+        assert got[3:] == want[3:], (got, want)

@@ -100,7 +100,7 @@ def register_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         help="fused checkpoint to write, replaced atomically if it exists (default: "
-        "fused.safetensors, or for a run directory <run>/refused-<method>-<time>.safetensors)",
+        "fused.safetensors, or for a run directory <run>/fused-again-<method>-<time>.safetensors)",
     )
     parser.add_argument(
         "--no-scores",
@@ -124,6 +124,7 @@ def fuse_command(args: argparse.Namespace) -> int:
         run_fusion_set,
         run_gaussian_completion,
         run_pool,
+        run_provenance,
     )
     from fedfuse.fusion import make_fusion_method, parse_options
     from fedfuse.io.checkpoint import save_checkpoint
@@ -215,6 +216,9 @@ def fuse_command(args: argparse.Namespace) -> int:
         "fusion_seconds": result.seconds,
         "details": json_safe(result.details),
     }
+    if run_dir is not None:  # stands alone as the run's own fused models do
+        provenance = run_provenance(run_dir, store, method=args.method, options=options)
+        metadata = {**provenance, **metadata}
     try:
         save_checkpoint(output, result.model, metadata=metadata)
     except OSError as error:
@@ -296,7 +300,7 @@ def _default_output(run_dir: Path | None, method: str) -> Path:
     if run_dir is None:
         return Path("fused.safetensors")
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    return run_dir / f"refused-{method}-{stamp}.safetensors"
+    return run_dir / f"fused-again-{method}-{stamp}.safetensors"
 
 
 def _accepted(method: str) -> list[str]:

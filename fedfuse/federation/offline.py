@@ -426,3 +426,32 @@ def run_gaussian_completion(settings: dict[str, Any] | None) -> GaussianFusionSe
     if settings is None:
         return None
     return RunSettings.from_config(settings, allow_unknown=True).fusion_gaussians()
+
+
+def run_provenance(
+    run_dir: str | Path, store: UploadStore, *, method: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    """What a checkpoint fused again from a saved run needs to stand alone, as the run's own
+    fused models record it (:func:`~fedfuse.federation.provenance.fused_model_metadata`): the
+    sites, the server's data files, the input shape, class names and normalisation; empty when
+    the run left no readable ``results.json``."""
+    from fedfuse.federation.contract import DataContract
+    from fedfuse.federation.provenance import fused_model_metadata
+
+    results = Path(run_dir) / "results.json"
+    try:
+        report = json.loads(results.read_text())
+        settings = RunSettings.from_config(report["settings"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, AttributeError):
+        return {}
+    document = report.get("data_contract")
+    contract = DataContract.from_dict(document, source=str(results)) if document else None
+    return fused_model_metadata(
+        settings,
+        method=method,
+        options=options,
+        sites=[entry.facts for entry in store.entries],
+        contract=contract,
+        files=report.get("data_files") or {},
+        run_id=report.get("run_id"),
+    )

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from fedfuse.io.checkpoint import load_checkpoint
-from tests.helpers import descendants, patience
+from tests.helpers import accuracy_tables, assert_same_table, descendants, patience
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -203,3 +203,9 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     assert "secure regmean round: the sum of 2 of 2 sites" in completed.stdout
     predictions = completed.stdout.split("image,class,probability", 1)[1].split()[:5]
     assert all(row.split(",")[1] in fused["class_names"] for row in predictions), predictions
+
+    # the tables the guide shows are what its two runs printed (its first run and the secure one)
+    printed, shown = accuracy_tables(completed.stdout), accuracy_tables(GUIDE.read_text())
+    assert len(printed) == len(shown) == 2, (len(printed), len(shown))
+    for run_printed, run_shown in zip(printed, shown, strict=True):
+        assert_same_table(run_printed, run_shown)

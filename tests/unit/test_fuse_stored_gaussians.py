@@ -141,7 +141,10 @@ def test_a_run_directory_completes_the_given_fusion_set_with_the_runs_own_draws(
         name = f"client_{pid}.safetensors"
         shutil.copyfile(runs["both"] / name, clients / name)
     settings = {"fusion-gaussian-samples": 25, "seed": 4}
-    (clients.parent / "results.json").write_text(json.dumps({"settings": settings}))
+    contract = {"input_shape": [1, 8, 8], "num_classes": 10, "mean": [0.2], "std": [0.3]}
+    contract["class_names"] = [f"digit {i}" for i in range(10)]
+    report = {"settings": settings, "data_contract": contract, "run_id": 17}
+    (clients.parent / "results.json").write_text(json.dumps(report))
     output = tmp_path / "fused.safetensors"
     argv = ["fuse", str(clients.parent), "--method", "kf-linear", "--output", str(output)]
     assert main([*argv, "--fusion-data", "digits:train:50:0"]) == 0
@@ -149,3 +152,6 @@ def test_a_run_directory_completes_the_given_fusion_set_with_the_runs_own_draws(
     assert meta["fusion_examples"] == 50 + 2 * 25
     assert meta["fusion_gaussians"]["seed"] == 4 + 3  # the online run's (RunSettings)
     assert list(meta["fusion_gaussians"]["rows"].values()) == [25, 25]
+    # it stands alone as the run's own fused models do: fedfuse predict reads these
+    assert meta["class_names"][3] == "digit 3" and meta["normalisation"]["std"] == [0.3]
+    assert len(meta["sites"]) == 2 and meta["strategy"] == "kf-linear"
