@@ -363,3 +363,17 @@ def test_a_classes_file_that_never_ends_is_refused_at_the_limit(tmp_path):
     )  # fmt: skip
     _assert_refused(result, "/dev/zero", "larger than")
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_the_forked_commands_run_under_their_limits():
+    """The guard of this file: a command that outgrows its address space or its time ends its own
+    process (MemoryError or SIGALRM), so an allocation a command failed to refuse fails here."""
+    small = COMMANDS.run(["methods"], cwd=REPO, timeout=60, address_space=1 << 30)
+    assert small.returncode not in (0, -14), small.stderr  # out of memory, not out of time
+    slow = COMMANDS.run(
+        ["speed", "--methods", "fedavg"], cwd=REPO, timeout=1, address_space=ADDRESS_SPACE
+    )
+    assert slow.returncode == -14  # SIGALRM
+    assert (
+        COMMANDS.run(["methods"], cwd=REPO, timeout=60, address_space=ADDRESS_SPACE).returncode == 0
+    )
