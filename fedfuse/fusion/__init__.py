@@ -35,6 +35,7 @@ from fedfuse.fusion.methods.neuron_interpolation.trusted import (
 )
 from fedfuse.fusion.methods.regression.regmean import RegMean
 from fedfuse.fusion.methods.regression.regmean_fusion_set import RegMeanFusionSet
+from fedfuse.fusion.methods.selection.auto import Auto
 from fedfuse.fusion.methods.trained.dense import Dense
 from fedfuse.fusion.methods.trained.distillation import KnowledgeDistillation, LinearProbe
 from fedfuse.fusion.methods.trained.fs_merge import FSMerge
@@ -51,6 +52,7 @@ from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 
 __all__ = [
+    "Auto",
     "CCAMerge",
     "Dense",
     "FedFisherDiagonal",

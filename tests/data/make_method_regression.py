@@ -191,6 +191,8 @@ def _cases() -> list[Case]:
         Case("hf-trust", {"trust_exponent": float("inf")}),
         Case("regmean-fs", {"folds": 3}),
         Case("regmean-fs", {"weight": 0.5, "align": "none"}, models=3),
+        Case("auto", {"candidates": "hf-linear,regmean,fedavg"}),
+        Case("auto", {"candidates": "kf-linear,fedavg", "holdout": 0.5}, models=3),
     ]
     return cases
 

@@ -42,6 +42,7 @@ FAST = {
     "fs-merge": {"epochs": 3},
     "hf-gradient": {"epochs": 2, "last_epochs": 2},
     "kf-gradient": {"epochs": 2, "last_epochs": 2},
+    "auto": {"candidates": "hf-linear,regmean,fedavg"},
 }
 
 

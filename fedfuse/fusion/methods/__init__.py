@@ -10,7 +10,9 @@
 * :mod:`.regression`: RegMean and its fusion-set anchored kin: each level refitted to every
   site's outputs through Gram matrices;
 * :mod:`.trained`: the references that train on the fusion set (knowledge distillation, linear
-  probing, DENSE) and FS-Merge.
+  probing, DENSE) and FS-Merge;
+* :mod:`.selection`: ``auto``, which fuses with several of the above and keeps the best on
+  held-out fusion rows.
 
 Every method subclasses :class:`fedfuse.fusion.base.FusionMethod` and registers itself by name
 (:mod:`fedfuse.fusion.registry`); the shared math is in :mod:`fedfuse.fusion.blocks`.

@@ -122,6 +122,9 @@ class TrustedInterpolation(SiteInterpolation):
 
     name = "trusted-interpolation"
     requires = frozenset({"data", "labels"})
+    #: loses what the sites know of a class the fusion set shows no row of, so a score on
+    #: fusion rows cannot see that loss (``auto`` then leaves it out)
+    needs_every_class = True
 
     def __init__(
         self,

@@ -1,0 +1,1 @@
+"""Methods that choose among the other fusion methods: ``auto`` (:mod:`.auto`)."""

@@ -1,0 +1,397 @@
+r"""``auto``: fuse with each of a stated list of methods, keep the best on held-out fusion rows.
+
+Which method leads depends on the federation (``docs/results.md``: ``kf-trust`` on class-sharded
+sites, ``kf-linear`` on Dirichlet ones, ``regmean`` with a shared start, ...). ``auto`` decides
+per run, from what the server holds (its :class:`~fedfuse.fusion.base.FusionInputs`) and
+nothing else:
+
+1. **Candidates.** The methods of ``candidates``, a comma list in order of preference. One whose
+   needs the inputs do not meet (its :meth:`~FusionMethod.requirements`), or that refuses the
+   models (its :meth:`~FusionMethod.check_run`: architecture, number of sites), is skipped and
+   the reason recorded; one that raises while fusing is recorded as failed. So is a method
+   that loses the classes the fusion set does not show (``needs_every_class``: ``kf-trust``,
+   ``hf-trust``) when the sites' class counts name such a class: held-out fusion rows cannot
+   see that loss (measured below: on a fusion set drawn from one site both score best on the
+   held-out rows and lose 40 points on the test set).
+2. **Split.** The labelled fusion set is split with ``seed`` into a fit part and a held-out part
+   of share ``holdout``, stratified by class: each class's rows are shuffled and
+   ``round(holdout * rows)`` of them held out (a class keeps at least one row to fit on).
+3. **Trials.** Each candidate fuses with the fit part in place of the fusion set (every other
+   input as given) and is scored on the held-out rows: the highest accuracy wins, ties go to
+   the lower mean cross-entropy, then to the earlier candidate. The test set is never seen:
+   the method holds only its inputs.
+4. **Refit.** With ``refit`` (the default) the winner fuses again with the whole fusion set
+   when it reads the fusion set at all (one that does not, e.g. ``regmean`` or ``fedavg``,
+   keeps its model: it would be the same). Measured below: refitting is never worse and gains
+   up to 0.3 points, since the winner then sees every row.
+5. **Budget.** Once ``time_budget`` seconds have passed, the candidates not yet tried are
+   skipped and named (the one under way finishes, the first always runs, the refit is extra).
+
+Without a labelled fusion set (no data, no labels, or no class with two rows to hold one out)
+nothing can be scored: the fallback is the first candidate of the list that can run, fused with
+every input, and ``details["auto"]["why"]`` says so.
+
+``details["auto"]`` holds every candidate's held-out ``accuracy``, ``loss`` and ``seconds``
+(or ``skipped``/``failed`` with the reason), the ``chosen`` method and ``why`` in one sentence,
+and the rows of each part; the other entries of ``details`` are the chosen method's own.
+
+**The default list** is the ensemble-free methods that lead in fedfuse's measurements and fuse
+in seconds: kf-linear, hf-linear, kf-trust, hf-trust, regmean, regmean-fs, fedavg, vanilla. Left
+out of it, though any registered method may be listed: the statistics-round methods
+(``kf-sites``, ``hf-sites``: every trial would cost the sites rounds of their own; listed, they
+run over ``FusionInputs.sites`` as usual), the Fisher methods (another upload), the matching
+methods (below FedAvg on most of fedfuse's settings) and the trainers (``kd``, ``fs-merge``,
+``dense``: minutes each). What the sites send is what the listed methods read: :meth:`Auto.needs`
+is their union (plus the labelled fusion set), so the default list asks the sites for Gram
+matrices (for ``regmean``); leave out ``regmean`` and ``regmean-fs`` not to send them.
+
+**Measured** (MLP 784-512-512-512 on Fashion-MNIST, 400 fusion rows drawn from site 0, uniform
+importance scores, seed 0; test accuracy in %, one thread)::
+
+    OMP_NUM_THREADS=1 .venv/bin/fedfuse compare -m experiment=fmnist-mlp scores=uniform seed=0 \
+      partition=sharded sites=2 \
+      method=auto,kf-linear,hf-linear,kf-trust,hf-trust,regmean,regmean-fs,fedavg,vanilla
+    (and partition=dirichlet sites=4 partition.alpha_min=0.3 partition.min_max_ratio=1.0)
+
+See ``docs/results.md`` ("auto") for the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fedfuse.fusion.base import INPUT_NEEDS, FusionInputs, FusionMethod
+from fedfuse.fusion.registry import (
+    FUSION_METHODS,
+    make_fusion_method,
+    parse_method_names,
+    register_fusion_method,
+)
+from fedfuse.models import LeveledModel, ModelSpec
+from fedfuse.models.capture import predict
+
+log = logging.getLogger(__name__)
+
+#: the candidates of ``auto`` unless the user lists others, in order of preference
+DEFAULT_CANDIDATES = "kf-linear,hf-linear,kf-trust,hf-trust,regmean,regmean-fs,fedavg,vanilla"
+#: the inputs that make a labelled fusion set
+LABELLED = frozenset({"data", "labels"})
+
+
+def stratified_split(
+    labels: torch.Tensor, holdout: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fit, held_out)``: row indices of ``labels`` (each sorted), a share ``holdout`` of every
+    class held out, drawn with ``seed``: per class (in increasing order) one ``randperm`` of its
+    rows, of which the first ``round(holdout * rows)`` are held out, at most all but one."""
+    if not 0 < holdout < 1:
+        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
+    generator = torch.Generator().manual_seed(seed)
+    labels = labels.cpu()
+    fit, held = [], []
+    for value in torch.unique(labels).tolist():
+        rows = torch.nonzero(labels == value).flatten()
+        rows = rows[torch.randperm(len(rows), generator=generator)]
+        count = min(math.floor(holdout * len(rows) + 0.5), len(rows) - 1)
+        held.append(rows[:count])
+        fit.append(rows[count:])
+    empty = torch.zeros(0, dtype=torch.long)
+    return (
+        torch.cat([empty, *fit]).sort().values,
+        torch.cat([empty, *held]).sort().values,
+    )
+
+
+@torch.no_grad()
+def held_out_scores(
+    model: torch.nn.Module,
+    data: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    batch_size: int = 256,
+    device: str = "auto",
+) -> tuple[float, float]:
+    """``(accuracy, mean cross-entropy)`` of ``model`` on ``(data, labels)``."""
+    logits = predict(model, data, batch_size=batch_size, device=device).double()
+    labels = labels.cpu()
+    accuracy = (logits.argmax(1) == labels).double().mean().item()
+    loss = F.cross_entropy(logits, labels).item()
+    return accuracy, loss if math.isfinite(loss) else math.inf
+
+
+@register_fusion_method
+class Auto(FusionMethod):
+    """Fuse with each candidate method on part of the labelled fusion set and keep the one of
+    the highest accuracy on the rest (the module's docstring states the procedure).
+
+    Args:
+        candidates: comma list of registered fusion methods to try, in order of preference (a
+            tie, and the fallback without a labelled fusion set, goes to the earlier one).
+        holdout: the share of the labelled fusion set held out to score the candidates on.
+        refit: fuse the winner again with the whole fusion set (else it keeps its trial model).
+        time_budget: seconds after which the candidates not yet tried are skipped (None: no
+            limit).
+        seed: the seed of the split (the candidates keep their own seeds).
+        device: where the candidates that take a device fuse, and where the held-out rows are
+            scored.
+        batch_size: held-out rows per forward pass.
+    """
+
+    name = "auto"
+    option_bounds = {"holdout": (0.01, 0.9), "time_budget": (0.0, 1e7)}
+
+    def __init__(
+        self,
+        candidates: str = DEFAULT_CANDIDATES,
+        holdout: float = 0.3,
+        refit: bool = True,
+        time_budget: float | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        batch_size: int = 256,
+    ) -> None:
+        names = parse_method_names(candidates)
+        if not names:
+            raise ValueError("auto: option candidates names no fusion method")
+        unknown = [n for n in names if n not in FUSION_METHODS or n == self.name]
+        if unknown:
+            known = sorted(set(FUSION_METHODS) - {self.name})
+            raise ValueError(f"auto: candidates {unknown} are not fusion methods; known: {known}")
+        self.candidates = candidates
+        self.holdout = holdout
+        self.refit = refit
+        self.time_budget = time_budget
+        self.seed = seed
+        self.device = device
+        self.batch_size = batch_size
+
+    def candidate_methods(self) -> list[FusionMethod]:
+        """The candidates, built with their default options (and ``device`` where they take one)."""
+        methods = []
+        for name in parse_method_names(self.candidates):
+            takes_device = "device" in FUSION_METHODS[name].accepted_options()
+            methods.append(
+                make_fusion_method(name, **({"device": self.device} if takes_device else {}))
+            )
+        return methods
+
+    # ------------------------------------------------------------------ declared needs
+    def requirements(self) -> frozenset[str]:
+        """The fields every candidate requires: without one of them none could run."""
+        return frozenset.intersection(*(m.requirements() for m in self.candidate_methods()))
+
+    def needs(self) -> frozenset[str]:
+        """What any candidate reads, and the labelled fusion set that scores them."""
+        return frozenset().union(LABELLED, *(m.needs() for m in self.candidate_methods()))
+
+    @property
+    def fisher_kinds(self) -> tuple[str, ...]:
+        """The Fisher kinds the candidates read (what the sites must upload for them)."""
+        kinds = (
+            kind
+            for method in self.candidate_methods()
+            if "fisher" in method.needs()
+            for kind in getattr(method, "fisher_kinds", ())
+        )
+        return tuple(dict.fromkeys(kinds))
+
+    def check_architecture(self, model: LeveledModel) -> None:
+        """Accept the architecture when one candidate does."""
+        reasons = []
+        for method in self.candidate_methods():
+            try:
+                method.check_architecture(model)
+                return
+            except ValueError as error:
+                reasons.append(f"{method.name}: {error}")
+        raise ValueError(f"none of its candidates fuses it ({'; '.join(reasons)})")
+
+    def check_run(
+        self,
+        num_models: int,
+        spec: ModelSpec | None = None,
+        available: Any = None,
+        target: ModelSpec | None = None,
+        *,
+        wording: Any = None,
+    ) -> None:
+        """As :meth:`FusionMethod.check_run`, passing when one candidate can fuse the run."""
+        super().check_run(num_models, spec, None, target, wording=wording)
+        if available is None:
+            return
+        reasons = []
+        for method in self.candidate_methods():
+            try:
+                method.check_run(num_models, spec, available, target, wording=wording)
+                return
+            except ValueError as error:
+                reasons.append(str(error))
+        raise ValueError(
+            f"{self.name}: none of its candidates can fuse this run: {'; '.join(reasons)}"
+        )
+
+    # ------------------------------------------------------------------ fusion
+    def _fuse(
+        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        started = time.perf_counter()
+        report: dict[str, dict[str, Any]] = {}
+        runnable = []
+        for method in self.candidate_methods():
+            reason = _skip_reason(method, models, inputs)
+            report[method.name] = {"skipped": reason} if reason else {}
+            if not reason:
+                runnable.append(method)
+        if not runnable:
+            reasons = "; ".join(f"{n}: {r['skipped']}" for n, r in report.items())
+            raise ValueError(
+                f"{self.name}: none of its candidates can fuse these inputs: {reasons}"
+            )
+        split = self._split(inputs)
+        if isinstance(split, str):
+            return self._fallback(runnable, models, inputs, target, report, split)
+        fit, held = split
+        assert inputs.data is not None and inputs.labels is not None
+        fit_inputs = replace(inputs, data=inputs.data[fit], labels=inputs.labels[fit])
+        held_data, held_labels = inputs.data[held], inputs.labels[held]
+        best: tuple[float, float, FusionMethod, LeveledModel, dict[str, Any]] | None = None
+        for order, method in enumerate(runnable):
+            elapsed = time.perf_counter() - started
+            if self.time_budget is not None and order and elapsed >= self.time_budget:
+                report[method.name] = {
+                    "skipped": f"time budget of {self.time_budget:g} s spent ({elapsed:.1f} s)"
+                }
+                continue
+            trial = time.perf_counter()
+            try:
+                result = method.fuse(models, fit_inputs, target=target)
+            except (ValueError, RuntimeError) as error:
+                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
+                log.warning("auto: %s failed: %s", method.name, error)
+                continue
+            accuracy, loss = held_out_scores(
+                result.model, held_data, held_labels, batch_size=self.batch_size, device=self.device
+            )
+            seconds = time.perf_counter() - trial
+            report[method.name] = {"accuracy": accuracy, "loss": loss, "seconds": seconds}
+            log.info("auto: %s held-out accuracy %.4f loss %.4f", method.name, accuracy, loss)
+            if best is None or (accuracy, -loss) > (best[0], -best[1]):
+                best = (accuracy, loss, method, result.model, result.details)
+        if best is None:
+            reasons = "; ".join(
+                f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
+            )
+            raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+        _, _, method, model, details = best
+        refit = self.refit and bool(method.needs() & LABELLED)
+        if refit:
+            result = method.fuse(models, inputs, target=target)
+            model, details = result.model, result.details
+        summary = {
+            "chosen": method.name,
+            "why": _why(method.name, report, len(held)),
+            "criterion": "held-out accuracy, then loss",
+            "candidates": report,
+            "unshown_classes": unshown_classes(inputs),
+            "fit_rows": len(fit),
+            "held_out_rows": len(held),
+            "seed": self.seed,
+            "refit": refit,
+        }
+        return model, {**details, "auto": summary}
+
+    def _split(self, inputs: FusionInputs) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """The fit and held-out rows, or why there are none."""
+        if inputs.data is None or inputs.labels is None:
+            return "no labelled fusion set" if inputs.data is None else "no fusion-set labels"
+        fit, held = stratified_split(inputs.labels, self.holdout, self.seed)
+        if not len(held):
+            return f"no class of the {len(fit)} fusion rows has two rows to hold one out"
+        return fit, held
+
+    def _fallback(
+        self,
+        runnable: Sequence[FusionMethod],
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        report: dict[str, dict[str, Any]],
+        missing: str,
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """The first runnable candidate that fuses, unscored."""
+        for method in runnable:
+            try:
+                result = method.fuse(models, inputs, target=target)
+            except (ValueError, RuntimeError) as error:
+                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
+                continue
+            report[method.name] = {"seconds": result.seconds}
+            for other in runnable:
+                report[other.name] = report[other.name] or {"skipped": f"not tried: {missing}"}
+            why = (
+                f"{missing} to score the candidates on, so the first candidate of the list "
+                f"that could fuse: {method.name}"
+            )
+            log.info("auto: %s", why)
+            summary = {"chosen": method.name, "why": why, "criterion": "fallback: list order",
+                       "candidates": report, "refit": False}  # fmt: skip
+            return result.model, {**result.details, "auto": summary}
+        reasons = "; ".join(
+            f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
+        )
+        raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+
+
+def _skip_reason(
+    method: FusionMethod, models: Sequence[LeveledModel], inputs: FusionInputs
+) -> str | None:
+    """Why ``method`` cannot fuse ``models`` with ``inputs`` (None: it can be tried)."""
+    lacking = sorted(f for f in method.requirements() if getattr(inputs, f) is None)
+    if lacking:
+        return f"needs {', '.join(INPUT_NEEDS.get(f, f) for f in lacking)}, not given"
+    try:
+        method.check_run(len(models), models[0].spec)
+    except ValueError as error:
+        return str(error)
+    unshown = unshown_classes(inputs)
+    if unshown and getattr(method, "needs_every_class", False):
+        return (
+            f"the fusion set shows no row of class(es) {unshown}, which sites hold: it loses "
+            "them, and held-out fusion rows cannot see that"
+        )
+    return None
+
+
+def unshown_classes(inputs: FusionInputs) -> list[int]:
+    """The classes some site holds (its class counts) of which the labelled fusion set shows no
+    row (empty without class counts or labels)."""
+    if inputs.class_counts is None or inputs.labels is None:
+        return []
+    held = {c for counts in inputs.class_counts for c, n in enumerate(counts) if n > 0}
+    return sorted(held - set(inputs.labels.tolist()))
+
+
+def _why(chosen: str, report: dict[str, dict[str, Any]], rows: int) -> str:
+    """One sentence: why ``chosen`` won on the ``rows`` held-out rows."""
+    mine = report[chosen]
+    others = [(n, r) for n, r in report.items() if "accuracy" in r and n != chosen]
+    said = f"{chosen} had the highest held-out accuracy, {mine['accuracy']:.2%} on {rows} rows"
+    if not others:
+        return f"{chosen} was the only candidate scored ({mine['accuracy']:.2%} on {rows} rows)"
+    name, runner_up = max(others, key=lambda item: (item[1]["accuracy"], -item[1]["loss"]))
+    if runner_up["accuracy"] < mine["accuracy"]:
+        return f"{said} (next: {name} {runner_up['accuracy']:.2%})"
+    if runner_up["loss"] > mine["loss"]:
+        return (
+            f"{chosen} tied with {name} on held-out accuracy ({mine['accuracy']:.2%} on {rows} "
+            f"rows) and had the lower loss ({mine['loss']:.4f} against {runner_up['loss']:.4f})"
+        )
+    return f"{chosen} tied with {name} on held-out accuracy and loss, and comes first in the list"

@@ -1,0 +1,251 @@
+"""``auto``: the candidate of the best held-out accuracy wins, scored on fusion rows alone; skips,
+failures and the time budget are named; the split is seeded and stratified; plain modules come
+back as their own class; the run asks the sites for what the candidates read."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fedfuse.fusion.methods.selection.auto as auto_module
+from fedfuse.federation.method_needs import upload_request_for
+from fedfuse.fusion import FUSION_METHODS, FusionInputs, FusionMethod, make_fusion_method
+from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.methods.selection.auto import Auto, stratified_split
+from fedfuse.models import build_model, mlp_spec
+from tests.helpers import randn
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEC = mlp_spec((1, 4, 4), 3, (8, 6))
+
+
+def _teacher(x: torch.Tensor) -> torch.Tensor:
+    return (x.flatten(1) @ randn(7, 16, 3)).argmax(1)
+
+
+def _trained(seed: int, steps: int) -> nn.Module:
+    model = build_model(SPEC, seed=seed)
+    x = randn(100 + seed, 96, 1, 4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), _teacher(x)).backward()
+        optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Model 0 learnt the task, model 1 did not train."""
+    return [_trained(0, 150), _trained(1, 0)]
+
+
+@pytest.fixture(scope="module")
+def inputs(models):
+    data = randn(3, 60, 1, 4, 4)
+    return FusionInputs(
+        data=data,
+        labels=_teacher(data),
+        sample_counts=[40, 60],
+        grams=[level_grams(m, randn(20 + k, 32, 1, 4, 4)) for k, m in enumerate(models)],
+    )
+
+
+class _Copy(FusionMethod):
+    """A copy of model ``index``; records the fusion rows it was given."""
+
+    requires = frozenset({"data"})
+    index = 0
+    seen: list[torch.Tensor] = []
+
+    def _fuse(self, models, inputs, target):
+        type(self).seen.append(inputs.data)
+        return copy.deepcopy(models[self.index]), {"copied": self.index}
+
+
+def _register(monkeypatch, name: str, **attributes) -> None:
+    cls = type(f"_Test{len(FUSION_METHODS)}", (_Copy,), {"name": name, **attributes})
+    monkeypatch.setitem(FUSION_METHODS, name, cls)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    _Copy.seen = []
+    _register(monkeypatch, "copy-trained", index=0)
+    _register(monkeypatch, "copy-untrained", index=1)
+    _register(monkeypatch, "copy-trained-again", index=0)
+
+
+def test_the_best_held_out_accuracy_wins_whatever_its_place(copies, models, inputs):
+    result = Auto(candidates="copy-untrained,copy-trained", device="cpu").fuse(models, inputs)
+    report = result.details["auto"]
+    scores = report["candidates"]
+    assert scores["copy-trained"]["accuracy"] > scores["copy-untrained"]["accuracy"] + 0.2
+    assert report["chosen"] == "copy-trained" and result.details["copied"] == 0
+    assert "copy-trained had the highest held-out accuracy" in report["why"]
+    fused, trained = result.model.state_dict(), models[0].state_dict()
+    assert all(torch.equal(fused[key], trained[key]) for key in trained)
+    # a tie on accuracy and loss goes to the earlier candidate
+    tied = Auto(candidates="copy-trained-again,copy-trained", device="cpu").fuse(models, inputs)
+    assert tied.details["auto"]["chosen"] == "copy-trained-again"
+    assert "comes first in the list" in tied.details["auto"]["why"]
+
+
+def test_candidates_fit_on_part_of_the_fusion_set_and_are_scored_on_the_rest(
+    copies, models, inputs, monkeypatch
+):
+    scored: list[torch.Tensor] = []
+    score = auto_module.held_out_scores
+
+    def recording(model, data, labels, **options):
+        scored.append(data)
+        return score(model, data, labels, **options)
+
+    monkeypatch.setattr(auto_module, "held_out_scores", recording)
+    result = Auto(candidates="copy-untrained,copy-trained", refit=False).fuse(models, inputs)
+    fit, held = _Copy.seen[0], scored[0]
+    assert len(fit) + len(held) == len(inputs.data) == 60 and 15 <= len(held) <= 21
+    assert all(torch.equal(d, fit) for d in _Copy.seen) and all(
+        torch.equal(d, held) for d in scored
+    )
+    rows = {tuple(r.flatten().tolist()) for r in inputs.data}
+    fit_rows = {tuple(r.flatten().tolist()) for r in fit}
+    held_rows = {tuple(r.flatten().tolist()) for r in held}
+    assert fit_rows | held_rows == rows and not fit_rows & held_rows  # fusion rows only, apart
+    assert result.details["auto"]["fit_rows"] == len(fit) and not result.details["auto"]["refit"]
+    # with refit the winner fuses once more, on every fusion row
+    _Copy.seen.clear()
+    Auto(candidates="copy-untrained,copy-trained").fuse(models, inputs)
+    assert [len(d) for d in _Copy.seen] == [len(fit), len(fit), 60]
+
+
+def test_the_split_is_seeded_and_stratified():
+    labels = torch.tensor([0] * 10 + [1] * 20 + [2] * 1 + [3] * 2)
+    fit, held = stratified_split(labels, 0.3, seed=4)
+    assert torch.equal(torch.sort(torch.cat([fit, held])).values, torch.arange(len(labels)))
+    assert torch.bincount(labels[held], minlength=4).tolist() == [3, 6, 0, 1]
+    again = stratified_split(labels, 0.3, seed=4)
+    assert torch.equal(again[1], held)
+    assert not torch.equal(stratified_split(labels, 0.3, seed=5)[1], held)
+
+
+def test_a_seeded_auto_fusion_is_repeatable(models, inputs):
+    method = Auto(candidates="hf-linear,regmean,fedavg", device="cpu")
+    first, second = method.fuse(models, inputs), method.fuse(models, inputs)
+    for key, value in first.model.state_dict().items():
+        assert torch.equal(value, second.model.state_dict()[key]), key
+    strip = {"seconds"}
+    for result in (first, second):
+        for entry in result.details["auto"]["candidates"].values():
+            for key in strip:
+                entry.pop(key, None)
+    assert first.details["auto"] == second.details["auto"]
+
+
+def test_skips_and_failures_are_named(copies, models, inputs, monkeypatch):
+    def broken(self, models, inputs, target):
+        raise ValueError("no convergence")
+
+    monkeypatch.setattr(FUSION_METHODS["copy-untrained"], "_fuse", broken)
+    no_grams = FusionInputs(data=inputs.data, labels=inputs.labels, sample_counts=[40, 60])
+    method = Auto(candidates="regmean,copy-untrained,fedavg,copy-trained", device="cpu")
+    report = method.fuse(models, no_grams).details["auto"]
+    assert report["candidates"]["regmean"] == {
+        "skipped": "needs the sites' Gram matrices, not given"
+    }
+    assert report["candidates"]["copy-untrained"] == {"failed": "ValueError: no convergence"}
+    assert report["chosen"] == "copy-trained"
+    nothing = Auto(candidates="regmean,kf-linear")
+    named = r"these inputs: regmean: needs the sites' Gram.*kf-linear: needs a fusion set"
+    with pytest.raises(ValueError, match=rf"auto: none of its candidates can fuse {named}"):
+        nothing.fuse(models, FusionInputs(sample_counts=[40, 60]))
+
+
+def test_methods_that_lose_unshown_classes_are_left_out_when_a_class_is_unshown(models, inputs):
+    shown = FusionInputs(
+        data=inputs.data, labels=inputs.labels, class_counts=[[5, 5, 5], [5, 5, 0]]
+    )
+    method = Auto(candidates="kf-trust,vanilla", device="cpu")
+    assert "accuracy" in method.fuse(models, shown).details["auto"]["candidates"]["kf-trust"]
+    first = inputs.labels != 0
+    unshown = FusionInputs(
+        data=inputs.data[first], labels=inputs.labels[first], class_counts=[[5, 5, 5], [5, 5, 0]]
+    )
+    report = method.fuse(models, unshown).details["auto"]
+    assert report["candidates"]["kf-trust"]["skipped"].startswith(
+        "the fusion set shows no row of class(es) [0], which sites hold"
+    )
+    assert report["chosen"] == "vanilla" and report["unshown_classes"] == [0]
+
+
+def test_the_time_budget_skips_and_names_the_later_candidates(copies, models, inputs, monkeypatch):
+    def slow(self, models, inputs, target):
+        time.sleep(0.3)
+        return copy.deepcopy(models[1]), {}
+
+    monkeypatch.setattr(FUSION_METHODS["copy-untrained"], "_fuse", slow)
+    method = Auto(candidates="copy-untrained,copy-trained,fedavg", time_budget=0.1)
+    report = method.fuse(models, inputs).details["auto"]
+    assert report["chosen"] == "copy-untrained"  # the first always runs
+    for name in ("copy-trained", "fedavg"):
+        assert report["candidates"][name]["skipped"].startswith("time budget of 0.1 s spent")
+
+
+def test_without_labels_the_first_candidate_that_can_run_is_the_fallback(models, inputs):
+    unlabelled = FusionInputs(data=inputs.data, sample_counts=[40, 60])
+    result = Auto(candidates="regmean,fedavg,hf-linear", device="cpu").fuse(models, unlabelled)
+    report = result.details["auto"]
+    assert report["chosen"] == "fedavg" and report["criterion"] == "fallback: list order"
+    assert report["why"].startswith("no fusion-set labels to score the candidates on")
+    assert report["candidates"]["regmean"]["skipped"].startswith("needs the sites' Gram")
+    assert report["candidates"]["hf-linear"] == {"skipped": "not tried: no fusion-set labels"}
+    expected = make_fusion_method("fedavg").fuse(models, unlabelled).model
+    for key, value in expected.state_dict().items():
+        assert torch.equal(value, result.model.state_dict()[key])
+
+
+class PlainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_plain_modules_come_back_as_their_own_class(inputs):
+    nets = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        nets.append(PlainNet().eval())
+    plain = FusionInputs(data=inputs.data, labels=inputs.labels, sample_counts=[40, 60])
+    result = Auto(candidates="hf-linear,fedavg", device="cpu").fuse(nets, plain)
+    assert type(result.model) is PlainNet
+    assert set(result.details["auto"]["candidates"]) == {"hf-linear", "fedavg"}
+    assert result.model(inputs.data[:5]).shape == (5, 3)
+
+
+def test_needs_are_the_candidates_and_the_run_asks_the_sites_for_them():
+    method = Auto(candidates="kf-linear,regmean,fedavg")
+    assert method.needs() >= {"data", "labels", "grams", "sample_counts", "scores"}
+    assert method.requirements() == frozenset()
+    assert upload_request_for([method]).grams
+    assert not upload_request_for([Auto(candidates="kf-linear,fedavg")]).grams
+    method.check_run(3, SPEC, available={"sample_counts"})  # fedavg can run
+    named = r"this run: kf-linear: needs a fusion set.*regmean: needs the sites' Gram"
+    with pytest.raises(ValueError, match=rf"auto: none of its candidates can fuse {named}"):
+        Auto(candidates="kf-linear,regmean").check_run(3, SPEC, available={"sample_counts"})
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match=r"auto: candidates \['nope', 'auto'\] are not fusion"):
+        Auto(candidates="kf-linear,nope,auto")
+    with pytest.raises(ValueError, match=r"'auto': option holdout=0.95 is out of range"):
+        Auto(holdout=0.95)
+    with pytest.raises(ValueError, match=r"kf-linear"):
+        Auto(candidates="kf-linear,kf-linear")
