@@ -53,7 +53,8 @@ class UploadIntake:
 
     def accept(self, msg: Message) -> StoredUpload | None:
         """Validate one reply and store it; a bad one is named in :attr:`problems`."""
-        source = describe_sender(msg)
+        node = msg.metadata.src_node_id
+        source = describe_sender(msg, self._known(node))
         started = time.monotonic()
         try:
             upload = self._decode(msg)
@@ -61,13 +62,13 @@ class UploadIntake:
         except ContributionError as error:
             self.problems.append(str(error))
             kind = error.kind if isinstance(error, SiteDidNotUpload) else "rejected"
-            self.roster.drop(kind, str(error), node=msg.metadata.src_node_id, name=sender_name(msg))
+            self.roster.drop(kind, str(error), node=node, name=sender_name(msg))
             log.error("%s upload: %s", "no" if kind in ("refused", "failed") else "rejected", error)
             return None
         finally:
             elapsed = time.monotonic() - started
             self.timings["handle_uploads"] = self.timings.get("handle_uploads", 0.0) + elapsed
-        self._node_of[entry.partition_id] = msg.metadata.src_node_id
+        self._node_of[entry.partition_id] = node
         log.info(
             "stored the upload of %s (%d examples): %d of %d sites",
             source,
@@ -81,9 +82,14 @@ class UploadIntake:
 
     def _decode(self, msg: Message) -> Any:
         """The upload of one reply: fedfuse's ClientApp's, or a plain one's (by its node)."""
-        if self.adapter is None:
-            return decode_reply(msg, self.store.expected_spec, require_scores=self.require_scores)
         node = msg.metadata.src_node_id
+        if self.adapter is None:
+            return decode_reply(
+                msg,
+                self.store.expected_spec,
+                require_scores=self.require_scores,
+                known=self._known(node),
+            )
         if node not in self._sent:
             raise ContributionError(f"node {node}: replied without being asked to train")
         return decode_plain_reply(
@@ -95,12 +101,17 @@ class UploadIntake:
                 *self._extras,
                 *(["class-gaussians"] * bool(self.upload_request.gaussian_rank)),
             ],
+            known=self._known(node),
         )
+
+    def _known(self, node: int) -> str:
+        """How the site of ``node`` named itself before this reply, or "" if it never did."""
+        return self.roster.describe(node) if node in self.roster.known else ""
 
     def note_silent(self, nodes: Iterable[int]) -> None:
         """Name the sites that did not reply before the timeout."""
         for node in nodes:
-            problem = f"node {node}: no reply before the reply timeout"
+            problem = f"{self.roster.describe(node)}: no reply before the reply timeout"
             self.problems.append(problem)
             self.roster.drop("silent", problem, node=node)
             log.error("%s", problem)

@@ -282,6 +282,7 @@ class OneShotFusion(UploadIntake, Strategy):
             score_method=self.score_method,
             contract=self.contract,
         )
+        self.roster.asked = list(self._sent)
         log.info("sending the one train message to %d sites", len(self._sent))
         return [
             Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)

@@ -22,7 +22,7 @@ from fedfuse.fusion import FusionMethod
 from fedfuse.models import ModelSpec
 
 from .messaging import stream_replies
-from .replies import SiteDidNotUpload, short_reason, site_answer
+from .replies import SiteDidNotUpload, sender_name, sender_partition, short_reason, site_answer
 from .roster import SiteRoster
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,9 @@ def check_site_data(
     """The nodes that may train: those that did not refuse (or fail) the :func:`contract_round`;
     each one left out is added to ``roster`` and ``problems``. Raises :class:`FusionAborted`
     when fewer than ``min_nodes`` are left, before any site trains."""
-    answers = contract_round(grid, nodes, contract, request, timeout, max_in_flight=max_in_flight)
+    answers = contract_round(
+        grid, nodes, contract, request, timeout, max_in_flight=max_in_flight, roster=roster
+    )
     for node, answer in answers.items():
         problems.append(str(answer))
         roster.drop(answer.kind, str(answer), node=node, name=answer.site)
@@ -103,11 +105,13 @@ def contract_round(
     timeout: float,
     *,
     max_in_flight: int = 0,
+    roster: SiteRoster | None = None,
 ) -> dict[int, SiteDidNotUpload]:
     """Ask every node whether its data complies with ``contract`` and its policy allows what
     ``request`` will ask it to send; the nodes that cannot take part, with why. A node that
     does not answer, or whose app has no contract handler (a ClientApp of its own), is not
-    refused here: the train message carries the contract and the request too."""
+    refused here: the train message carries the contract and the request too. Each site that
+    says who it is is enrolled in ``roster``, so it stays named if it dies later."""
     content = pack_contract_query(contract, request)
     messages = [
         Message(content=content, message_type=CONTRACT_MESSAGE, dst_node_id=node) for node in nodes
@@ -128,6 +132,8 @@ def contract_round(
                 "node %s could not check its data: %s", node, short_reason(reply.error.reason)
             )
             continue
+        if roster is not None:
+            roster.enrol(node, sender_name(reply), sender_partition(reply))
         answer = site_answer(reply)
         if answer is not None:
             refusals[node] = answer

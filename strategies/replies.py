@@ -70,12 +70,26 @@ def sender_name(msg: Message) -> str:
     return ""
 
 
-def describe_sender(msg: Message) -> str:
+def sender_partition(msg: Message) -> int | None:
+    """The partition id a reply gives (a non-negative int below a million), or None."""
+    if msg.has_error():
+        return None
+    for key in (SITE_KEY, NO_UPLOAD_KEY):
+        record = msg.content.config_records.get(key)
+        value = None if record is None else record.get("partition-id")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1_000_000:
+            return value
+    return None
+
+
+def describe_sender(msg: Message, known: str = "") -> str:
     """``<site name> (client <partition-id>, node <id>)`` as far as the reply says who it is:
-    ``client <id> (node <id>)`` without a name, ``node <id>`` without a partition id."""
+    ``client <id> (node <id>)`` without a name, ``node <id>`` without a partition id; for a
+    reply that says nothing (an error), ``known``: how the site named itself earlier, if it
+    did (:meth:`~.roster.SiteRoster.describe`)."""
     node = f"node {msg.metadata.src_node_id}"
     if msg.has_error():
-        return node
+        return known or node
     partition = None
     for key in (SITE_KEY, NO_UPLOAD_KEY):
         record = msg.content.config_records.get(key)
@@ -101,10 +115,13 @@ def site_answer(msg: Message) -> SiteDidNotUpload | None:
     )
 
 
-def decode_reply(msg: Message, expected: ModelSpec | None, *, require_scores: bool) -> ClientUpload:
+def decode_reply(
+    msg: Message, expected: ModelSpec | None, *, require_scores: bool, known: str = ""
+) -> ClientUpload:
     """Validate one train reply and rebuild its model; raises :class:`ContributionError`
-    (:class:`SiteDidNotUpload` for a site that refused or failed and said so)."""
-    source = describe_sender(msg)
+    (:class:`SiteDidNotUpload` for a site that refused or failed and said so). ``known``: how
+    the site named itself earlier, for a reply that says nothing (:func:`describe_sender`)."""
+    source = describe_sender(msg, known)
     if msg.has_error():
         raise SiteDidNotUpload(
             f"{source}: the client failed: {short_reason(msg.error.reason)}", "failed"
@@ -168,12 +185,13 @@ def decode_plain_reply(
     partition_id: int,
     num_partitions: int,
     wanted: Collection[str] = (),
+    known: str = "",
 ) -> ClientUpload:
     """Validate the reply of a plain Flower ClientApp (an ``ArrayRecord`` of the user's model's
     weights and ``num-examples`` in a ``MetricRecord``, as Flower's templates send) and rebuild
     its model through ``adapter``; the ``wanted`` extras (:mod:`fedfuse.clients.extras`, and
     ``class-gaussians``) must be there. Raises :class:`ContributionError` naming the node."""
-    source = describe_sender(msg)
+    source = describe_sender(msg, known)
     if msg.has_error():
         raise ContributionError(f"{source}: the client failed: {short_reason(msg.error.reason)}")
     content = msg.content

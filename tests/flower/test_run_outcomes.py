@@ -97,8 +97,13 @@ def test_too_few_sites_with_the_right_data_end_the_run_before_any_site_trains(
     assert grid.trained() == [] and trained == []
     report = _report(tmp_path)
     assert report["status"] == "failed"
-    assert [s["status"] for s in report["sites"]] == ["refused", "refused"]
-    assert {s["site"] for s in report["sites"]} == {"hospital-1", "hospital-2"}
+    # every site is listed: the two that refused, and the one that was ready but never asked
+    assert [(s["site"], s["status"]) for s in report["sites"]] == [
+        ("hospital-1", "refused"),
+        ("hospital-2", "refused"),
+        ("hospital-0", "ready"),
+    ]
+    assert report["sites"][2]["node_id"] == 100 and report["sites"][2]["partition_id"] == 0
 
 
 def test_a_site_whose_data_changed_after_the_check_still_refuses_to_train(
@@ -218,3 +223,45 @@ def test_a_long_method_list_names_the_run_directory_within_a_file_names_limit(tm
     directory = server_app._run_directory(tmp_path, server_app._label(names), 7)
     assert directory.name.endswith("-method-0+12000-more-run7") and len(directory.name) < 255
     assert server_app._label(["kf-linear", "fedavg"]) == "kf-linear+fedavg"
+
+
+def _crash_on(node, exception):
+    """A train handler that raises ``exception`` at ``node`` and trains at the others."""
+    from fedfuse.clients.client_app import train_and_upload
+
+    def handler(msg, context):
+        if context.node_id == node:
+            raise exception
+        return train_and_upload(msg, context)
+
+    return handler
+
+
+def test_a_site_that_dies_without_a_word_is_named_from_its_data_check(files, tmp_path):
+    """A SuperNode killed mid-training answers with Flower's error only (no name, no
+    partition): the server names it as the site said it was in the data check."""
+    grid, context = _deployment(files, tmp_path, site_files=("site-0", "site-1", "site-1"))
+    grid.handler = _crash_on(101, RuntimeError("the SuperNode went away"))
+    server_app.main(grid, context)
+    report = _report(tmp_path)
+    assert report["status"] == "partial"
+    failed = next(s for s in report["sites"] if s["status"] == "failed")
+    assert (failed["site"], failed["partition_id"], failed["node_id"]) == ("hospital-1", 1, 101)
+    assert any(
+        r.startswith("hospital-1 (client 1, node 101): the client failed")
+        for r in report["rejected"]
+    )
+
+
+def test_a_run_stopped_while_the_sites_train_lists_every_site(files, tmp_path):
+    """`flwr stop` during training: the sites asked to train are listed by name as pending."""
+    grid, context = _deployment(files, tmp_path)
+    grid.handler = _crash_on(100, KeyboardInterrupt())  # the stop reaches the server there
+    with pytest.raises(KeyboardInterrupt):
+        server_app.main(grid, context)
+    report = _report(tmp_path)
+    assert report["status"] == "stopped"
+    assert [(s["site"], s["node_id"], s["status"]) for s in report["sites"]] == [
+        ("hospital-0", 100, "pending"),
+        ("hospital-1", 101, "pending"),
+    ]
