@@ -156,6 +156,24 @@ def _wait_for_run(
     return code
 
 
+def settle_unfinished(
+    results: Path, report: dict[str, Any], returncode: int, reasons: list[str]
+) -> dict[str, Any]:
+    """The report of a run whose ServerApp ended without finishing it (killed, out of memory,
+    a crash below Python), which still reads ``running``: marked ``failed`` with what Flower
+    logged, and written back, so that ``fedfuse status`` does not wait on a dead run."""
+    from fedfuse.io.atomic import write_json
+
+    said = reasons[-1] if reasons else "Flower logged no reason"
+    report = {
+        **report,
+        "status": "failed",
+        "error": f"the ServerApp ended without finishing the run (flwr exit {returncode}): {said}",
+    }
+    write_json(results.resolve(), report)
+    return report
+
+
 def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     """Fail fast, before Flower starts: the run config must parse (no unknown keys, every value
     in range), the data must split into ``num_clients`` sites and give the fusion set, every
@@ -309,6 +327,9 @@ def simulate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if report.get("status") == "running":  # the ServerApp died before it could say so
+        reasons = failure_reason("".join(output) + "\n" + read_from(superlink_log, log_offset))
+        report = settle_unfinished(results, report, returncode, reasons)
     status = report.get("status")
     if status not in ("ok", "partial"):
         print(f"fedfuse simulate: FAILED: {report.get('error', 'unknown error')}", file=sys.stderr)

@@ -4,6 +4,7 @@ failure's cause in at most 5 lines."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -158,3 +159,22 @@ def test_every_flower_command_of_fedfuse_gets_the_checked_home(tmp_path, monkeyp
     state_db(tmp_path / "mine", "5e1f0a2b3c4d")
     with pytest.raises(StateDatabaseError, match="written by another Flower version"):
         flower_environment()
+
+
+def test_a_run_whose_serverapp_died_reads_failed_with_flowers_reason(tmp_path):
+    """Under `ulimit -v` the ServerApp died below Python and its results.json said `running`
+    for good; simulate now marks it failed, with what Flower logged, in the file itself."""
+    from fedfuse.cli.simulate import settle_unfinished
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "latest").symlink_to(run)
+    results = tmp_path / "latest" / "results.json"
+    results.write_text(json.dumps({"status": "running", "run_id": 7}))
+    reasons = failure_reason("ERROR :      Exit Code: 137\nKilled by the kernel\n")
+    report = settle_unfinished(results, json.loads(results.read_text()), 1, reasons)
+    assert report["status"] == "failed" and report["run_id"] == 7
+    assert "ServerApp ended without finishing the run (flwr exit 1)" in report["error"]
+    assert "Exit Code: 137" in report["error"]
+    assert json.loads((run / "results.json").read_text()) == report  # the file says so too
+    assert (tmp_path / "latest").is_symlink()
