@@ -8,10 +8,12 @@ handled in one place.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Generator, Sequence
 
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,28 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout: float) -> list[int]:
     return sorted(nodes)
 
 
+#: what Ray says when the worker that ran a site's ClientApp is gone (its node died or was
+#: cut off), as Flower's simulation engine passes it on in an error reply's reason
+LOST_WORKER = re.compile(
+    r"ray\.exceptions\.|ActorUnavailableError|ActorDiedError|RayActorError|WorkerCrashedError"
+    r"|NodeDiedError|Connection refused"
+)
+#: how often one message is sent again after its worker was lost
+LOST_WORKER_RETRIES = 2
+
+
+def lost_worker(reply: Message) -> bool:
+    """Whether ``reply`` is an error of the simulation's infrastructure (a Ray worker or node
+    lost), not of the ClientApp: the site did nothing wrong, and the message can be sent again
+    (Ray runs it on a worker that is still up)."""
+    if not reply.has_error():
+        return False
+    error = reply.error
+    return error.code != ErrorCode.CLIENT_APP_RAISED_EXCEPTION and bool(
+        LOST_WORKER.search(str(error.reason))
+    )
+
+
 def stream_replies(
     grid: Grid,
     messages: Sequence[Message],
@@ -38,6 +62,7 @@ def stream_replies(
     *,
     max_in_flight: int = 0,
     poll_interval: float = 0.5,
+    retries: int = LOST_WORKER_RETRIES,
 ) -> Generator[Message, None, list[int]]:
     """Push ``messages`` and yield each reply as soon as it is available, until all replied or
     ``timeout`` seconds passed; the generator returns the destination nodes that never replied.
@@ -46,17 +71,22 @@ def stream_replies(
     as a reply comes back. Flower's simulation engine scans every undelivered message for every
     node ten times a second, so a thousand messages at once keep a core busy that the sites
     need; a deployment sends to every site at once (0).
+
+    A reply that says the Ray worker running the site was lost (:func:`lost_worker`) is not
+    yielded: the message is sent again, up to ``retries`` times per message, and only the last
+    such error is yielded.
     """
     queue = list(messages)[::-1]
-    pending: dict[str, int] = {}
+    pending: dict[str, Message] = {}
     unsent: list[int] = []
+    resent: dict[int, int] = {}  # node -> times its message was sent again
 
     def push(count: int) -> None:
         batch = [queue.pop() for _ in range(min(count, len(queue)))]
         if batch:
             for mid, msg in zip(grid.push_messages(batch), batch, strict=True):
                 if mid:
-                    pending[mid] = msg.metadata.dst_node_id
+                    pending[mid] = msg
                 else:
                     unsent.append(msg.metadata.dst_node_id)
 
@@ -68,13 +98,37 @@ def stream_replies(
         replies = list(grid.pull_messages(list(pending)))[::-1] if pending else []
         while replies:
             reply = replies.pop()  # dropped here once handled: one model in memory at a time
-            if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
-                yield reply
-        if max_in_flight > 0:
-            push(max_in_flight - len(pending))
+            sent = pending.pop(reply.metadata.reply_to_message_id, None)
+            if sent is None:
+                continue
+            node = sent.metadata.dst_node_id
+            if lost_worker(reply) and resent.get(node, 0) < retries:
+                resent[node] = resent.get(node, 0) + 1
+                log.warning(
+                    "node %s: its worker was lost (%s); sending its message again (%d of %d)",
+                    node,
+                    str(reply.error.reason)[:200],
+                    resent[node],
+                    retries,
+                )
+                queue.append(_again(sent))
+                continue
+            yield reply
+        push(max_in_flight - len(pending) if max_in_flight > 0 else len(queue))
         time.sleep(poll_interval)
     never_sent = [msg.metadata.dst_node_id for msg in reversed(queue)]
-    return sorted(pending.values()) + unsent + never_sent
+    return sorted(msg.metadata.dst_node_id for msg in pending.values()) + unsent + never_sent
+
+
+def _again(sent: Message) -> Message:
+    """A new message with the content, type and destination of ``sent`` (a pushed message
+    carries its id, so it cannot be pushed twice)."""
+    return Message(
+        content=sent.content,
+        message_type=sent.metadata.message_type,
+        dst_node_id=sent.metadata.dst_node_id,
+        group_id=sent.metadata.group_id,
+    )
 
 
 def replies_by_site(

@@ -141,7 +141,8 @@ class _WatchedGrid:
         messages = list(messages)
         stage = _stage(messages)
         wait = math.inf if timeout is None else timeout
-        replies = list(stream_replies(self.grid, messages, wait))
+        # a stage is not sent twice: SecAgg+ names a site lost mid-protocol a dropout
+        replies = list(stream_replies(self.grid, messages, wait, retries=0))
         answered = set()
         for reply in replies:
             node = reply.metadata.src_node_id

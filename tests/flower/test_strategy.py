@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 
 from fedfuse.clients.records import SCORES_KEY, WEIGHTS_KEY, pack_upload
 from fedfuse.federation.site import SiteIdentity, train_site
@@ -216,3 +217,67 @@ def test_the_strategy_completes_its_fusion_set_by_inversion(tmp_path):
     held = [set(torch.nonzero(torch.tensor(c)).flatten().tolist()) for c in inputs.class_counts]
     assert set(inputs.labels[4:7].tolist()) <= held[0]
     assert set(inputs.labels[7:].tolist()) <= held[1]
+
+
+class _LostWorkerGrid(_WindowGrid):
+    """Like :class:`_WindowGrid`, but the first ``losses[node]`` answers of a node are Flower's
+    error reply for a lost Ray worker (the ClientApp never ran), or ``crash`` for an error of
+    the ClientApp itself."""
+
+    def __init__(self, losses, crash=()):
+        super().__init__()
+        self.losses, self.crash, self.pushed = dict(losses), set(crash), []
+
+    def push_messages(self, messages):
+        self.pushed += [m.metadata.dst_node_id for m in messages]
+        ids = []
+        for msg in messages:
+            mid = f"m{len(self.pushed)}-{msg.metadata.dst_node_id}"
+            self.outstanding[mid] = msg
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = []
+        for mid in list(message_ids):
+            msg = self.outstanding.pop(mid, None)
+            if msg is None:
+                continue
+            node = msg.metadata.dst_node_id
+            if self.losses.get(node, 0) > 0 or node in self.crash:
+                code, reason = (
+                    (ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "ValueError: site data is broken")
+                    if node in self.crash
+                    else (
+                        ErrorCode.UNKNOWN,
+                        "<class 'ray.exceptions.ActorUnavailableError'>:<'The actor is "
+                        "temporarily unavailable: RpcError: Connection refused'>",
+                    )
+                )
+                self.losses[node] = self.losses.get(node, 0) - 1
+                reply = Message(Error(code=code, reason=reason), reply_to=msg)
+            else:
+                reply = reply_from(RecordDict(), node)
+            reply.metadata.__dict__["_reply_to_message_id"] = mid
+            replies.append(reply)
+        return replies
+
+
+def test_a_message_whose_ray_worker_was_lost_is_sent_again_a_bounded_number_of_times():
+    messages = [
+        Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+        for node in (1, 2, 3, 4)
+    ]
+    # node 2 lost its worker once, node 3 on every try; node 4's ClientApp itself failed
+    grid = _LostWorkerGrid({2: 1, 3: 99}, crash={4})
+    replies, silent = _drain(stream_replies(grid, messages, 10, max_in_flight=2, poll_interval=0))
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    assert silent == [] and sorted(by_node) == [1, 2, 3, 4]
+    assert not by_node[2].has_error()  # answered on its second try
+    assert by_node[3].has_error() and "ActorUnavailableError" in by_node[3].error.reason
+    assert by_node[4].has_error()  # an error of the site's own app is not sent again
+    assert sorted(grid.pushed) == [1, 2, 2, 3, 3, 3, 4]  # node 3: the first try and 2 more
+    # without retries (SecAgg+'s stages), the first error is the answer
+    grid = _LostWorkerGrid({2: 1})
+    replies, _ = _drain(stream_replies(grid, messages, 10, poll_interval=0, retries=0))
+    assert [r.metadata.src_node_id for r in replies if r.has_error()] == [2]
