@@ -79,7 +79,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -236,15 +236,16 @@ class Auto(FusionMethod):
         self,
         num_models: int,
         spec: ModelSpec | None = None,
-        available: Any = None,
+        available: Iterable[str] | None = None,
         target: ModelSpec | None = None,
         *,
-        wording: Any = None,
+        wording: Mapping[str, str] | None = None,
     ) -> None:
         """As :meth:`FusionMethod.check_run`, passing when one candidate can fuse the run."""
         super().check_run(num_models, spec, None, target, wording=wording)
         if available is None:
             return
+        available = set(available)  # read once per candidate
         reasons = []
         for method in self.candidate_methods():
             try:
