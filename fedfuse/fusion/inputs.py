@@ -11,7 +11,7 @@ it; and a method that falls back when an input is absent falls back the same way
   a fallback score method, then normalised per level.
 * :func:`sample_counts`, :func:`averaging_weights`: model weights from the sample counts;
   :func:`averaging_candidates`: those to try for ``weighted_average="auto"``, kept by
-  :func:`fusion_set_loss`.
+  fusion-set accuracy (:mod:`fedfuse.fusion.blocks.selection`).
 * :func:`head_weights`: per class, each model's share of that class's training samples.
 * :func:`check_levels`: every model's neuron levels affine and the same.
 """
@@ -257,8 +257,9 @@ def averaging_candidates(
     """The model weights a method fuses with, by name (``"uniform"`` or ``"samples"``).
 
     ``weighted=False``: uniform; ``True``: the sample counts normalised (FedAvg's weights).
-    ``"auto"``: both, when the sample counts and the labelled fusion set are given (the method
-    fuses with each and keeps the fused model with the lower :func:`fusion_set_loss`; when the
+    ``"auto"``: both, the sample counts first (preferred), when the sample counts and the
+    labelled fusion set are given (the method fuses with each and keeps one by fusion-set
+    accuracy: :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set`; when the
     sample counts are all equal the two are one, ``"uniform"``); else the one the inputs allow:
     the sample counts without a labelled fusion set, uniform without sample counts.
     """
@@ -274,13 +275,14 @@ def averaging_candidates(
         return {"samples": samples}
     if all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(uniform, samples, strict=True)):
         return {"uniform": uniform}
-    return {"uniform": uniform, "samples": samples}
+    return {"samples": samples, "uniform": uniform}  # preferred first: the unlabelled choice
 
 
 @torch.no_grad()
 def fusion_set_loss(model: LeveledModel, inputs: FusionInputs, batch_size: int = 256) -> float:
-    """Mean cross-entropy of ``model`` on the labelled fusion set (on the CPU): the criterion
-    by which the methods' ``"auto"`` options choose among their candidate fused models."""
+    """Mean cross-entropy of ``model`` on the labelled fusion set (on the CPU): the tie-break
+    of the methods' ``"auto"`` choices, after the fusion-set accuracy
+    (:func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set`)."""
     if inputs.data is None or inputs.labels is None:
         raise ValueError("the fusion-set loss needs FusionInputs.data and FusionInputs.labels")
     model = model.cpu().eval()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks.selection import best_on_fusion_set
 from fedfuse.fusion.methods.matching.fedma import FedMAMatching
 from fedfuse.fusion.methods.matching.fedma_bbp import _client_gains
 from fedfuse.fusion.methods.regression.regmean import RegMean, level_grams
@@ -151,9 +152,23 @@ def test_fedma_chooses_sigma_on_the_fusion_set(x):
     result = method.fuse(models, inputs)
     selection = result.details["selection"]
     assert selection["sigmas"] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6])
-    losses = selection["fusion_loss"]
+    losses, accuracies = selection["fusion_loss"], selection["fusion_accuracy"]
     chosen = selection["chosen"]
-    assert losses[chosen] == min(losses)
+    # the configured sigma preferred, then the nearest: kept unless significantly less accurate
+    candidates = [
+        (
+            i,
+            (
+                FedMAMatching(sigma=selection["sigmas"][i], select=False)
+                .fuse(models, inputs)
+                .model,
+                {},
+            ),
+        )
+        for i in (2, 1, 3, 0, 4)
+    ]
+    assert chosen == best_on_fusion_set(candidates, inputs).key
+    assert accuracies[chosen] >= max(accuracies) - 1 / len(x) ** 0.5
     assert result.details["sigma"] == pytest.approx(selection["sigmas"][chosen])
     # the chosen model is the one the fixed sigma gives, and its loss is the one reported
     fixed = FedMAMatching(sigma=selection["sigmas"][chosen], select=False).fuse(models, inputs)

@@ -33,7 +33,9 @@ def _labels_drawn(model, inputs, batch_size, seed):
 def test_diagonal_fisher_is_the_mean_squared_per_sample_gradient():
     model = build_model(mlp_spec((1, 4, 4), 3, (8, 6)), seed=0).eval()
     inputs = torch.randn(20, 1, 4, 4, generator=torch.Generator().manual_seed(1))
-    fisher = site_fisher(model, inputs, ["diagonal"], samples=0, seed=5, batch_size=8)
+    fisher = site_fisher(
+        model, inputs, ["diagonal"], samples=0, labels="sampled", seed=5, batch_size=8
+    )
     labels = _labels_drawn(model, inputs, 8, 5)
     expected = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
     for x, y in zip(inputs, labels, strict=True):
@@ -48,7 +50,7 @@ def test_diagonal_fisher_is_the_mean_squared_per_sample_gradient():
 def test_kfac_factors_are_the_input_gram_and_the_summed_output_gradients():
     model = build_model(mlp_spec((1, 4, 4), 3, (8, 6)), seed=0).eval()
     inputs = torch.randn(20, 1, 4, 4, generator=torch.Generator().manual_seed(1))
-    fisher = site_fisher(model, inputs, ["kfac"], samples=0, seed=5, batch_size=8)
+    fisher = site_fisher(model, inputs, ["kfac"], samples=0, labels="sampled", seed=5, batch_size=8)
     labels = _labels_drawn(model, inputs, 8, 5)
     first_name, first = next(iter(kfac_layers(model).items()))
     rows = torch.cat([inputs.reshape(20, -1), torch.ones(20, 1)], 1).double()
@@ -64,6 +66,70 @@ def test_kfac_factors_are_the_input_gram_and_the_summed_output_gradients():
     torch.testing.assert_close(
         fisher[f"kfac.{first_name}.outputs"].double(), outputs, rtol=1e-4, atol=1e-10
     )
+
+
+def _expected_by_hand(model, inputs, layer):
+    """The diagonal Fisher and ``layer``'s K-FAC ``G`` as their definitions read, one row and
+    one class at a time: ``sum_c p(c|x) (d log p(c|x))^2`` averaged over the rows."""
+    diagonal = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    outputs = torch.zeros(layer.out_features, layer.out_features, dtype=torch.float64)
+    captured = {}
+    handle = layer.register_forward_hook(lambda m, a, out: captured.update(out=out))
+    for x in inputs:
+        probabilities = torch.softmax(model(x[None]).double(), dim=1)[0].detach()
+        for c, p in enumerate(probabilities):
+            model.zero_grad()
+            loss = F.cross_entropy(model(x[None]), torch.tensor([c]))
+            (gradient,) = torch.autograd.grad(loss, captured["out"], retain_graph=True)
+            loss.backward()
+            for name, parameter in model.named_parameters():
+                diagonal[name] += p * parameter.grad.double() ** 2 / len(inputs)
+            g = gradient.double().reshape(1, -1)
+            outputs += p * g.T @ g / len(inputs)
+    handle.remove()
+    return diagonal, outputs
+
+
+@pytest.mark.parametrize("labels", ["expected", "auto"])
+def test_expected_fisher_is_the_probability_weighted_sum_over_classes(labels):
+    model = build_model(mlp_spec((1, 4, 4), 3, (8, 6)), seed=0).eval()
+    inputs = torch.randn(10, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    fisher = site_fisher(model, inputs, ["diagonal", "kfac"], labels=labels, batch_size=4)
+    name, layer = list(kfac_layers(model).items())[-1]
+    diagonal, outputs = _expected_by_hand(model, inputs, layer)
+    for key, value in diagonal.items():
+        torch.testing.assert_close(fisher[f"diagonal.{key}"].double(), value, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(
+        fisher[f"kfac.{name}.outputs"].double(), outputs, rtol=1e-4, atol=1e-10
+    )
+    # the default takes every row (no subsample) and the same expectation
+    default = site_fisher(model, inputs, ["diagonal"], batch_size=4)
+    for key, value in default.items():
+        torch.testing.assert_close(value, fisher[key])
+
+
+def test_expected_fisher_of_a_linear_softmax_model_is_its_closed_form():
+    """For logits ``W x`` the Fisher of ``W`` is ``E_x (diag(p) - p p^T) (x) x x^T``: its
+    diagonal ``E_x p_c (1 - p_c) x_j^2``, with no sampled label (exact property)."""
+    model = build_model(mlp_spec((1, 2, 2), 3, ()), seed=0).eval()
+    inputs = torch.randn(7, 1, 2, 2, generator=torch.Generator().manual_seed(2))
+    fisher = site_fisher(model, inputs, ["diagonal"], labels="expected")
+    (weight_name, weight), (bias_name, _) = list(model.named_parameters())
+    x = inputs.reshape(7, -1).double()
+    p = torch.softmax(model(inputs).double(), dim=1).detach()
+    closed = ((p * (1 - p)).T @ x.square() / 7).reshape(weight.shape)
+    torch.testing.assert_close(
+        fisher[f"diagonal.{weight_name}"].double(), closed, rtol=1e-5, atol=1e-9
+    )
+    torch.testing.assert_close(
+        fisher[f"diagonal.{bias_name}"].double(), (p * (1 - p)).mean(0), rtol=1e-5, atol=1e-9
+    )
+
+
+def test_fisher_labels_are_checked():
+    model = build_model(mlp_spec((1, 2, 2), 3, ()), seed=0)
+    with pytest.raises(ValueError, match="labels"):
+        site_fisher(model, torch.randn(3, 1, 2, 2), ["diagonal"], labels="empirical")
 
 
 def test_convolution_factors_average_patches_over_positions():
@@ -194,8 +260,16 @@ def test_damping_auto_chooses_on_the_labelled_fusion_set():
     result = make_fusion_method("fisher-merging").fuse(
         sites, FusionInputs(data=data, labels=labels, fisher=fishers)
     )
-    losses = result.details["fusion_set_losses"]
-    assert result.details["damping"] == float(min(losses, key=losses.get))
+    accuracies = result.details["fusion_set_accuracies"]
+    assert list(accuracies)[0] == "0.01"  # the unlabelled value, preferred
+    assert set(result.details["fusion_set_losses"]) == set(accuracies)
+    # kept only if no value is more accurate by more than one paired standard error
+    chosen = result.details["damping"]
+    assert accuracies[str(chosen)] >= max(accuracies.values()) - 1 / 16**0.5
+    explicit = make_fusion_method("fisher-merging", damping=chosen).fuse(
+        sites, FusionInputs(fisher=fishers)
+    )
+    torch.testing.assert_close(explicit.model(data), result.model(data))
 
 
 @pytest.mark.parametrize(
@@ -229,3 +303,21 @@ def test_sites_upload_only_the_kinds_the_run_reads():
     assert fisher_kinds([make_fusion_method("regmean")]) == ()
     both = [make_fusion_method("fisher-merging"), make_fusion_method("fedfisher-kfac")]
     assert fisher_kinds(both) == ("diagonal", "kfac")
+
+
+@pytest.mark.parametrize("labels", ["expected", "sampled"])
+def test_layer_hooks_give_the_per_sample_diagonal_of_convolutions(labels):
+    """The hook path (LeNet's convolutions and linear layers) equals ``torch.func``'s per-sample
+    gradients squared, on the same labels."""
+    from fedfuse.fusion.statistics import fisher as module
+
+    model = build_model(make_spec("lenet5", (1, 28, 28), 10), seed=0).eval()
+    inputs = torch.randn(6, 1, 28, 28, generator=torch.Generator().manual_seed(3))
+    fisher = site_fisher(model, inputs, ["diagonal"], labels=labels, batch_size=4)
+    names = [n for n, _ in model.named_parameters()]
+    draw = torch.Generator().manual_seed(0) if labels == "sampled" else None
+    direct = module._vmap_diagonal(model, names, inputs, draw, 4, torch.device("cpu"))
+    for name in names:
+        torch.testing.assert_close(
+            fisher[f"diagonal.{name}"].double(), direct[name] / 6, rtol=1e-4, atol=1e-10
+        )

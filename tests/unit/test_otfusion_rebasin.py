@@ -8,6 +8,7 @@ from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
 from fedfuse.fusion.blocks.matching import correlation, squared_distances
 from fedfuse.fusion.blocks.repair import neuron_statistics, repair, target_statistics
+from fedfuse.fusion.blocks.selection import best_on_fusion_set
 from fedfuse.fusion.blocks.transport import transport_plan
 from fedfuse.fusion.methods.averaging.fedavg import average_state_dicts
 from fedfuse.fusion.methods.matching.git_rebasin import GitReBasin
@@ -168,14 +169,28 @@ def test_weights_ground_metric_needs_no_data_but_activations_do():
         GitReBasin().fuse([a, b])
 
 
-def test_auto_ground_metric_keeps_the_fusion_with_the_lower_fusion_set_loss():
+def _kept(method, option, values, models, inputs, **options):
+    """The value of ``option`` that :func:`best_on_fusion_set` keeps of the explicit fusions
+    (``values`` in their order of preference)."""
+    candidates = [
+        (v, (method(**{option: v}, **options).fuse(models, inputs).model, {})) for v in values
+    ]
+    return best_on_fusion_set(candidates, inputs).key
+
+
+def test_auto_ground_metric_keeps_the_fusion_with_the_higher_fusion_set_accuracy():
     models = [build_model(MLP, seed=s) for s in range(3)]
     x = data_for(MLP)
     y = torch.randint(0, MLP.num_classes, (len(x),), generator=torch.Generator().manual_seed(0))
     auto = OTFusion().fuse(models, FusionInputs(data=x, labels=y))
     losses = {c["ground_metric"]: c["loss"] for c in auto.details["fusion_set_losses"]}
     chosen = auto.details["ground_metric_chosen"]
-    assert set(losses) == {"activations", "weights"} and losses[chosen] == min(losses.values())
+    inputs = FusionInputs(data=x, labels=y)
+    kept = _kept(OTFusion, "ground_metric", ["activations", "weights"], models, inputs)
+    assert set(losses) == {"activations", "weights"} and chosen == kept
+    accuracies = {c["ground_metric"]: c["accuracy"] for c in auto.details["fusion_set_losses"]}
+    accuracy = (auto.model(x).argmax(1) == y).double().mean().item()
+    assert accuracies[chosen] == pytest.approx(accuracy)
     assert "weighting_chosen" not in auto.details  # no sample counts: uniform only
     explicit = OTFusion(ground_metric=chosen).fuse(models, FusionInputs(data=x))
     for key, value in explicit.model.state_dict().items():
@@ -203,14 +218,12 @@ def skewed_sites(seed=0):
 
 
 @pytest.mark.parametrize("method", [OTFusion, GitReBasin])
-def test_auto_weighting_keeps_the_average_with_the_lower_fusion_set_loss(method):
+def test_auto_weighting_keeps_the_average_with_the_higher_fusion_set_accuracy(method):
     models, x, y = skewed_sites()
     for counts, expected in (([10, 1, 10], "samples"), ([1, 10, 1], "uniform")):
         inputs = FusionInputs(data=x, labels=y, sample_counts=counts)
         auto = method().fuse(models, inputs)
-        losses = auto.details["fusion_set_losses"]
-        if method is OTFusion:
-            losses = {c["weighting"]: c["loss"] for c in losses}
+        losses = {c["weighting"]: c["loss"] for c in auto.details["fusion_set_losses"]}
         assert set(losses) == {"uniform", "samples"}
         assert auto.details["weighting_chosen"] == expected == auto.details["weighting"]
         assert losses[expected] < losses[{"uniform": "samples", "samples": "uniform"}[expected]]
@@ -254,14 +267,15 @@ def test_otfusion_reference_rules():
     assert "sample_counts" in OTFusion(reference="largest").requirements()
     with pytest.raises(ValueError, match="sample_counts"):
         OTFusion(reference="largest").fuse(models, FusionInputs(data=x))
-    # auto: every model as the reference, the lowest fusion-set loss kept
+    # auto: every model as the reference, the highest fusion-set accuracy kept
     others = [build_model(MLP, seed=s) for s in range(3)]
     y = torch.randint(0, MLP.num_classes, (len(x),), generator=torch.Generator().manual_seed(0))
     inputs = FusionInputs(data=x, labels=y)
     auto = OTFusion(reference="auto", ground_metric="activations").fuse(others, inputs)
     losses = {c["reference"]: c["loss"] for c in auto.details["fusion_set_losses"]}
     chosen = auto.details["reference_chosen"]
-    assert set(losses) == {0, 1, 2} and losses[chosen] == min(losses.values())
+    kept = _kept(OTFusion, "reference", [0, 1, 2], others, inputs, ground_metric="activations")
+    assert set(losses) == {0, 1, 2} and chosen == kept
     explicit = OTFusion(reference=chosen, ground_metric="activations").fuse(others, inputs)
     for key, value in explicit.model.state_dict().items():
         assert torch.equal(auto.model.state_dict()[key], value), key
@@ -373,3 +387,21 @@ def test_classifier_outputs_are_never_permuted(method):
     expected = average_state_dicts([a, b])
     assert all(torch.allclose(v, expected[k], atol=1e-6) for k, v in fused.state_dict().items())
     assert torch.allclose(fused(x), (a(x) + a(x)[:, swap]) / 2, atol=1e-5)
+
+
+def test_git_rebasin_weight_matching_undoes_permutations_and_is_chosen_with_labels():
+    model = build_model(MLP, seed=0).eval()
+    x = data_for(MLP)
+    copies = [model, permuted_copy(model, seed=1), permuted_copy(model, seed=2)]
+    fused = GitReBasin(matching="weights").fuse(copies, FusionInputs(data=x))
+    assert same_params(fused.model, params(model), atol=1e-5)
+    assert GitReBasin(matching="weights").needs() == {"data", "labels", "sample_counts"}
+    # auto: both matchings, the activations preferred (the unlabelled choice)
+    y = model(x).argmax(1)
+    auto = GitReBasin().fuse(copies, FusionInputs(data=x, labels=y))
+    scores = auto.details["fusion_set_losses"]
+    assert [c["matching"] for c in scores] == ["activations", "weights"]
+    assert auto.details["matching_chosen"] == "activations"  # both exact: no evidence
+    assert "matching_chosen" not in GitReBasin().fuse(copies, FusionInputs(data=x)).details
+    with pytest.raises(ValueError, match="matching"):
+        GitReBasin(matching="neurons")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fedfuse.fusion import CCAMerge, FSMerge, FusionInputs, ZipIt
-from fedfuse.fusion.methods.matching.cca_merge import EPSILON_GRID, canonical_map
+from fedfuse.fusion.blocks.selection import best_on_fusion_set, preferred_first
+from fedfuse.fusion.methods.matching.cca_merge import EPSILON_GRID, UNLABELLED, canonical_map
 from fedfuse.fusion.methods.trained.fs_merge import zipit_assignment
 from fedfuse.models import build_model, lenet5_spec, mlp_spec, resnet_spec, vgg11_spec
 from fedfuse.models.symmetry import permute_model, random_permutations
@@ -46,7 +47,7 @@ def test_the_canonical_map_undoes_an_invertible_linear_mix():
     torch.testing.assert_close(transform, mix, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_epsilon_takes_the_lowest_fusion_set_loss_and_needs_labels_only_to_choose():
+def test_auto_epsilon_takes_the_best_fusion_set_accuracy_and_needs_labels_only_to_choose():
     spec = SPECS["mlp"]
     models = [build_model(spec, seed=s).eval() for s in (0, 1)]
     data, labels = randn(7, 60, *spec.input_shape), torch.arange(60) % 3
@@ -54,8 +55,12 @@ def test_auto_epsilon_takes_the_lowest_fusion_set_loss_and_needs_labels_only_to_
     assert method.needs() == {"data", "labels"} and method.requirements() == {"data"}
     details = method.fuse(models, FusionInputs(data=data, labels=labels)).details
     losses = details["fusion_set_losses"]
-    assert list(losses) == [str(e) for e in EPSILON_GRID]
-    assert details["epsilon"] == EPSILON_GRID[min(range(4), key=lambda i: list(losses.values())[i])]
+    assert sorted(losses) == sorted(str(e) for e in EPSILON_GRID)
+    # the unlabelled ridge preferred, kept unless another is significantly more accurate
+    order = preferred_first(EPSILON_GRID, UNLABELLED)
+    inputs = FusionInputs(data=data, labels=labels)
+    candidates = [(e, (CCAMerge(epsilon=e).fuse(models, inputs).model, {})) for e in order]
+    assert details["epsilon"] == best_on_fusion_set(candidates, inputs).key
     assert "fusion_set_losses" not in method.fuse(models, FusionInputs(data=data)).details
 
 

@@ -31,9 +31,12 @@ Parameters outside ``Linear``/``Conv2d`` (normalisations, embeddings, tokens) an
 the weighted average.
 
 Neither aligns neurons: like FedAvg and RegMean they merge models that share an
-initialisation (``init="shared"``), the setting of both papers. ``damping="auto"`` picks the
-damping of :data:`DAMPING_GRID` whose merged model has the lowest loss on the server's
-labelled fusion set, and :data:`UNLABELLED_DAMPING` without one.
+initialisation (``init="shared"``), the setting of both papers. ``damping="auto"`` merges with
+every damping of :data:`DAMPING_GRID` and keeps :data:`UNLABELLED_DAMPING` (the damping without
+a labelled fusion set) unless another is significantly more accurate on the server's labelled
+fusion set (:func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set`). It chose by the
+fusion-set loss before issue 52: on LeNets trained with SGD and momentum the loss picked 1.0,
+the least accurate damping (a flatter merged model scores a lower loss on confident sites).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from fedfuse.fusion.statistics.fisher import (
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.runtime import resolve_device
 
-#: the dampings ``damping="auto"`` chooses from, by the merged model's fusion-set loss
+#: the dampings ``damping="auto"`` chooses from, by the merged model's fusion-set accuracy
 DAMPING_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: the damping ``"auto"`` takes without a labelled fusion set
 UNLABELLED_DAMPING = 1e-2

@@ -47,7 +47,7 @@ from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
-#: the covariance ridges ``epsilon="auto"`` chooses from, by the fused model's fusion-set loss
+#: the covariance ridges ``epsilon="auto"`` chooses from, by fusion-set accuracy
 EPSILON_GRID = (0.01, 0.1, 1.0, 10.0)
 #: the ridge ``"auto"`` takes without fusion-set labels
 UNLABELLED = 1.0
@@ -114,9 +114,11 @@ class CCAMerge(FusionMethod):
     Args:
         epsilon: ridge of each covariance, relative to its mean eigenvalue (keeps ``T``
             invertible where the fusion set has fewer rows than neurons, or dead or collinear
-            ones); ``"auto"``: the one of :data:`EPSILON_GRID` whose fused model has the
-            lowest fusion-set loss (:data:`UNLABELLED` without labels). Large ridges tend to
-            orthogonal Procrustes alignment (``T`` the rotation closest to the cross-covariance).
+            ones); ``"auto"``: the one of :data:`EPSILON_GRID` that
+            :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set` keeps, by fusion-set
+            accuracy, :data:`UNLABELLED` preferred (and taken without labels). Large ridges
+            tend to orthogonal Procrustes alignment (``T`` the rotation closest to the
+            cross-covariance).
         device: where the features are computed (``"auto"``: CUDA when available).
         batch_size: samples per forward pass.
     """

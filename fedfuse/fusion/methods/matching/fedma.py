@@ -51,11 +51,12 @@ combined per class with each client's share of that class's training samples
 
 FedMA (Wang et al., 2020) retrains the clients after each matched layer; this implementation
 stops after the matching, so it stays one-shot. It needs no data, except that by default it
-chooses ``sigma`` from a small grid by the cross-entropy of the fused model on the labelled
-fusion set (``select``), as PFNM's reference code chooses its settings on training data. The
-global model may be wider than the clients: it decides its widths itself, capped per level by
-``max_width`` (or ``width_factor`` times the widest client; PFNM has no cap, FedMA's code stops
-opening neurons past 700: ``width_factor`` at least the number of clients removes the cap).
+chooses ``sigma`` from a small grid by the accuracy of the fused model on the labelled
+fusion set (``select``), as PFNM's reference code chooses its
+settings by training accuracy. The global model may be wider than the clients: it decides its
+widths itself, capped per level by ``max_width`` (or ``width_factor`` times the widest client;
+PFNM has no cap, FedMA's code stops opening neurons past 700: ``width_factor`` at least the
+number of clients removes the cap).
 The default target of :meth:`fuse` (model 0's spec) is ignored; an explicit target with other
 widths caps each level at those widths.
 
@@ -78,7 +79,8 @@ import torch
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
 from fedfuse.fusion.blocks.alignment import affine_levels, incoming_by_channel
-from fedfuse.fusion.inputs import check_levels, fusion_set_loss, head_weights
+from fedfuse.fusion.blocks.selection import best_on_fusion_set
+from fedfuse.fusion.inputs import check_levels, head_weights
 from fedfuse.fusion.methods.matching.fedma_bbp import POPULARITY, bbp_map_match
 from fedfuse.fusion.registry import register_fusion_method
 from fedfuse.models import LeveledModel, ModelSpec, build_model
@@ -155,9 +157,10 @@ class FedMAMatching(FusionMethod):
             ``"code"`` (their reference code: ``log(m / (J - m))`` with ``m`` clipped at 10).
         select: choose ``sigma`` on the labelled fusion set (default): fuse with each value of
             the grid ``sigma * 2**k``, ``k = -(grid-1)/2 .. (grid-1)/2``, and keep the model
-            of lowest mean cross-entropy on the fusion set (ties: the value nearest ``sigma``);
-            ``details`` reports ``sigma`` and ``selection`` (the grid and its losses). PFNM's
-            reference code likewise fuses over a grid of ``(sigma, sigma0, gamma)`` and keeps
+            :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set` keeps (fusion-set
+            accuracy; ``sigma`` preferred, then the values nearest it); ``details`` reports
+            ``sigma`` and ``selection`` (the grid, its accuracies and losses). PFNM's reference
+            code likewise fuses over a grid of ``(sigma, sigma0, gamma)`` and keeps
             the best training accuracy; the papers fix no value, and ``sigma`` is the setting
             that decides which neurons merge (``sigma0`` and ``gamma`` barely moved the result
             on our runs). Without ``data`` and ``labels`` it fuses with ``sigma`` alone (then
@@ -292,22 +295,29 @@ class FedMAMatching(FusionMethod):
             fused, details = self._match(models, views, caps, mix, self.sigma)
             details["sigma"] = self.sigma
             return fused, details
-        assert inputs.data is not None and inputs.labels is not None
-        best: tuple[float, int, LeveledModel, dict[str, Any]] | None = None
-        losses = []
-        for index, sigma in enumerate(sigmas):
-            fused, details = self._match(models, views, caps, mix, sigma)
-            loss = fusion_set_loss(fused, inputs)
-            losses.append(loss)
-            # ties (e.g. widths capped either way) keep the value nearest the configured sigma
-            key = (loss, abs(index - (len(sigmas) - 1) / 2))
-            if best is None or key < (best[0], abs(best[1] - (len(sigmas) - 1) / 2)):
-                best = (loss, index, fused, details)
-        assert best is not None
-        _, index, fused, details = best
+        centre = (len(sigmas) - 1) / 2
+        # preferred first: the configured sigma, then the values nearest it
+        order = sorted(range(len(sigmas)), key=lambda index: abs(index - centre))
+        chosen = best_on_fusion_set(
+            ((index, self._match(models, views, caps, mix, sigmas[index])) for index in order),
+            inputs,
+        )
+        fused, details, index = chosen.model, chosen.details, chosen.key
+        losses = [chosen.losses[i] for i in range(len(sigmas))]
+        accuracies = [chosen.accuracies[i] for i in range(len(sigmas))]
         details["sigma"] = sigmas[index]
-        details["selection"] = {"sigmas": sigmas, "fusion_loss": losses, "chosen": index}
-        log.info("fedma: sigma %.4g chosen on the fusion set (losses %s)", sigmas[index], losses)
+        details["selection"] = {
+            "sigmas": sigmas,
+            "fusion_loss": losses,
+            "fusion_accuracy": accuracies,
+            "chosen": index,
+        }
+        log.info(
+            "fedma: sigma %.4g chosen on the fusion set (accuracies %s, losses %s)",
+            sigmas[index],
+            accuracies,
+            losses,
+        )
         return fused, details
 
     def _match(

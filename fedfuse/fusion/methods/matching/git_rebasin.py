@@ -20,9 +20,13 @@ standardised), solved exactly by :func:`~fedfuse.fusion.blocks.matching.linear_a
 function is unchanged) and the two are averaged. The classifier's outputs (the classes) are never
 permuted.
 
+Matching (``matching``): by activations as above, or by weights (Git Re-Basin's weight
+matching: the neurons' incoming weights and bias, lower levels' permutations applied first), or
+(``"auto"``, the default) whichever fuses to the better fusion-set accuracy.
+
 Averaging: uniform, or by sample counts, or (``weighted_average="auto"``, the default) whichever
-of the two fuses to the lower cross-entropy on the labelled fusion set
-(:func:`~fedfuse.fusion.inputs.fusion_set_loss`), or per neuron by importance
+of the two :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set` keeps (fusion-set
+accuracy, the sample counts preferred), or per neuron by importance
 (``use_scores``, the paper's App. C, as in Hungarian Fusion): with ``s^A_i`` and ``s^B_{\pi(i)}``
 the two matched neurons' scores (normalised to sum to 1 per model and level), and ``c_A, c_B``
 the model weights (uniform or sample counts),
@@ -94,7 +98,7 @@ import torch
 
 from fedfuse.fusion.base import FusionInputs
 from fedfuse.fusion.blocks.alignment import affine_levels, permute_level
-from fedfuse.fusion.blocks.selection import Fused, lowest_fusion_set_loss
+from fedfuse.fusion.blocks.selection import Fused, best_on_fusion_set
 from fedfuse.fusion.blocks.space_alignment import (
     align_model,
     block_assignment,
@@ -115,6 +119,11 @@ from fedfuse.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
+#: how neurons are matched: by their activations on the fusion set (the correlation or l2
+#: ``cost``), by their weights (incoming weights and bias, l2; Ainsworth et al.'s weight
+#: matching, one pass bottom-up), or ``"auto"``
+MATCHINGS = ("activations", "weights", "auto")
+
 
 @register_fusion_method
 class GitReBasin(AlignedAverage):
@@ -123,6 +132,15 @@ class GitReBasin(AlignedAverage):
 
     Args:
         cost: ``"correlation"`` (default) or ``"l2"`` between pre-activations.
+        matching: ``"activations"`` (the pre-activations on the fusion set, by ``cost``),
+            ``"weights"`` (Ainsworth et al.'s weight matching, one pass bottom-up: each neuron's
+            incoming weights and bias, the inputs already permuted, by squared distance; no
+            data read; level path only), or ``"auto"`` (default): both when the fusion set is
+            labelled, the activations preferred (:mod:`~fedfuse.fusion.blocks.selection`),
+            else the activations. On sites of one initialisation the activations can move
+            neurons the shared start had aligned, and weight matching keeps them (issue 52:
+            37.6 against FedAvg's 46.1 on LeNets trained with SGD and momentum, 46.1 with
+            weight matching).
         match_rounds: more than two models: most rounds of MergeMany (it stops earlier when a
             round moves nothing).
         seed: more than two models: seeds MergeMany's order of visits.
@@ -131,8 +149,8 @@ class GitReBasin(AlignedAverage):
         fallback_scores: score method on the fusion set when scores are used but none given.
         weighted_average: the model weights ``c``, in MergeMany's costs and in the average:
             ``False`` uniform (the paper's), ``True`` the sample counts (FedAvg's), or
-            ``"auto"`` (default): both, keeping the fused model with the lower cross-entropy
-            on the labelled fusion set (sites of unequal sizes favour the counts). The
+            ``"auto"`` (default): both, keeping the fused model of better accuracy on the
+            labelled fusion set, the counts preferred (sites of unequal sizes favour them). The
             activations and costs are computed once; MergeMany and the average run per
             weighting, so a choice equals fusing with that weighting. Without labels, the
             sample counts; without sample counts, uniform.
@@ -143,8 +161,8 @@ class GitReBasin(AlignedAverage):
         batch_size_capture: samples per forward pass when capturing level outputs.
 
     Details: ``weights`` (the model weights ``c``) and ``weighting`` (``"uniform"`` or
-    ``"samples"``); where ``"auto"`` chose, ``weighting_chosen`` and ``fusion_set_losses`` (per
-    weighting); and ``levels``: per hidden level its
+    ``"samples"``); where ``"auto"`` chose, ``weighting_chosen``, ``fusion_set_losses`` and
+    ``fusion_set_accuracies`` (per weighting); and ``levels``: per hidden level its
     ``level`` name, ``matched`` (the mean matched correlation, or squared distance per row,
     averaged over the pairs of models), ``moved`` (neurons not matched to their own index,
     summed over models 1..N-1), ``permutation`` (model 1's; two models) or ``permutations``
@@ -162,15 +180,24 @@ class GitReBasin(AlignedAverage):
         cost: str = "correlation",
         match_rounds: int = 100,
         seed: int = 0,
+        matching: str = "auto",
         **inherited: Any,
     ) -> None:
         check_cost(cost)
+        if matching not in MATCHINGS:
+            raise ValueError(f"{self.name}: matching must be one of {MATCHINGS}, got {matching!r}")
         super().__init__(**inherited)
         self.cost = cost
+        self.matching = matching
         self.match_rounds = match_rounds
         self.seed = seed
 
     def _check_space_options(self) -> None:
+        if self.matching == "weights":
+            raise ValueError(
+                "weight matching reads affine levels; fuse with matching='activations' "
+                "(feature-space matching)"
+            )
         if self.use_scores:
             raise ValueError(
                 "use_scores weighs neurons level by level, which needs affine levels; fuse "
@@ -193,26 +220,48 @@ class GitReBasin(AlignedAverage):
                 needed.add("labels")
         if self.weighted_average == "auto":
             needed |= {"labels", "sample_counts"}  # optional (the fallbacks)
+        if self.matching == "auto":
+            needed.add("labels")  # optional: without them, activations
         return frozenset(needed)
 
     def _fuse_levels(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        return self._choose(self._level_fusions(models, inputs, target), inputs)
+        labelled = inputs.labels is not None
+        matchings = list(MATCHINGS[:2]) if self.matching == "auto" and labelled else [self.matching]
+        matchings = ["activations" if m == "auto" else m for m in matchings]
+        fusions = {
+            (matching, weighting): fused
+            for matching in matchings
+            for weighting, fused in self._level_fusions(models, inputs, target, matching).items()
+        }
+        return self._choose(fusions, inputs)
 
     def _fuse_spaces(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        return self._choose(self._space_fusions(models, inputs, target), inputs)
+        fusions = self._space_fusions(models, inputs, target)
+        return self._choose({("activations", w): f for w, f in fusions.items()}, inputs)
 
     def _choose(self, fusions: dict[str, Fused], inputs: FusionInputs) -> Fused:
-        """Of several weightings' fused models, the one of lowest fusion-set loss."""
+        """Of several fused models (by matching and weighting, in order of preference), the one
+        :func:`best_on_fusion_set` keeps."""
         if len(fusions) == 1:
             return next(iter(fusions.values()))
-        chosen = lowest_fusion_set_loss(fusions.items(), inputs, self.batch_size_capture)
-        chosen.details.update(weighting_chosen=chosen.key, fusion_set_losses=chosen.losses)
-        log.info("%s: %s weights (fusion-set losses %s)", self.name, chosen.key, chosen.losses)
-        return chosen.model, chosen.details
+        chosen = best_on_fusion_set(fusions.items(), inputs, self.batch_size_capture)
+        details = chosen.details
+        if len({m for m, _ in fusions}) > 1:
+            details["matching_chosen"] = chosen.key[0]
+        if len({w for _, w in fusions}) > 1:
+            details["weighting_chosen"] = chosen.key[1]
+        details["fusion_set_losses"] = [
+            {"matching": m, "weighting": w, "loss": loss, "accuracy": chosen.accuracies[(m, w)]}
+            for (m, w), loss in chosen.losses.items()
+        ]
+        log.info(
+            "%s: %s (fusion-set scores %s)", self.name, chosen.key, details["fusion_set_losses"]
+        )
+        return chosen.model, details
 
     def _details(self, weightings: dict[str, list[float]], path: str) -> dict[str, dict[str, Any]]:
         """Per weighting, the details to fill on ``path`` (``"levels"`` or ``"spaces"``)."""
@@ -278,15 +327,21 @@ class GitReBasin(AlignedAverage):
         return fusions
 
     def _level_fusions(
-        self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
+        self,
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        matching: str = "activations",
     ) -> dict[str, Fused]:
         """Match every hidden level of the models (MergeMany), permute, average, finish: per
-        candidate weighting, on the same costs."""
+        candidate weighting, on the same activation costs (weight costs: per weighting, on the
+        models as the lower levels' permutations left them)."""
         weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
         hidden = check_levels(self.name, models)[:-1]
         assert inputs.data is not None
         scores = self._scores(models, inputs)
-        captured = self._capture_hidden(models, inputs.data, hidden)
+        activations = matching == "activations"
+        captured = self._capture_hidden(models, inputs.data, hidden) if activations else []
         permuted = {
             weighting: [models[0]] + [copy.deepcopy(m).cpu() for m in models[1:]]
             for weighting in weightings
@@ -296,18 +351,25 @@ class GitReBasin(AlignedAverage):
         merging = MergeMany(self.cost, self.match_rounds, self.seed)
         for index in hidden:
             started = time.perf_counter()
-            outputs = [c[index].outputs for c in captured]
-            costs = {
-                (i, j): cost_matrix(
-                    outputs[i], outputs[j], self.cost, self.batch_size_capture
-                ).cpu()
-                for i in range(len(models))
-                for j in range(i + 1, len(models))
-            }
             label = {"level": models[0].level_name(index)}
-            merged = merging.permutations(
-                costs, weightings, offset=index, label=label, started=started
-            )
+            if activations:
+                costs = _pairwise_costs(
+                    [c[index].outputs for c in captured], self.cost, self.batch_size_capture
+                )
+                merged = merging.permutations(
+                    costs, weightings, offset=index, label=label, started=started
+                )
+            else:  # weight matching: each neuron's incoming weights and bias
+                merged = {}
+                for weighting, weights in weightings.items():
+                    rows = [affine_levels(m)[index].weights() for m in permuted[weighting]]
+                    merged |= MergeMany("l2", self.match_rounds, self.seed).permutations(
+                        _pairwise_costs(rows, "l2", 256),
+                        {weighting: weights},
+                        offset=index,
+                        label=label,
+                        started=started,
+                    )
             for weighting, (permutations, entry) in merged.items():
                 weights = weightings[weighting]
                 for model, permutation in zip(
@@ -330,6 +392,17 @@ class GitReBasin(AlignedAverage):
             )
             fusions[weighting] = (fused, details[weighting])
         return fusions
+
+
+def _pairwise_costs(
+    outputs: list[torch.Tensor], cost: str, batch_size: int
+) -> dict[tuple[int, int], torch.Tensor]:
+    """:func:`cost_matrix` between every pair ``i < j`` of the models' ``outputs``."""
+    return {
+        (i, j): cost_matrix(outputs[i], outputs[j], cost, batch_size).cpu()
+        for i in range(len(outputs))
+        for j in range(i + 1, len(outputs))
+    }
 
 
 def _score_lambdas(

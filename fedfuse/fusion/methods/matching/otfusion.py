@@ -24,13 +24,15 @@ uniform or weighted by sample counts; optionally followed by
 :func:`~fedfuse.fusion.blocks.repair.repair`.
 
 Choices the paper leaves open are options, each with an ``"auto"`` rule that fuses with every
-candidate and keeps the fused model with the lowest cross-entropy on the labelled fusion set
-(:func:`~fedfuse.fusion.inputs.fusion_set_loss`; never the test set): the ground cost
+candidate and keeps the first, in order of preference (the value taken without labels), that no
+other candidate beats significantly in accuracy on the labelled fusion set
+(:func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set`; never the test set: the loss alone
+preferred flat-predicting uniform averages on confident sites, issue 52): the ground cost
 (``ground_metric``), the reference model (``reference``) and the averaging weights
 (``weighted_average``; the authors' code has ``ensemble_step``, the weight of the reference
 model, for data split unevenly). The activations are captured once and each alignment is
 averaged with every candidate weighting, so ``"auto"`` weights cost one more average and one
-more loss evaluation per alignment.
+more fusion-set evaluation per alignment.
 
 With uniform marginals on equal widths, EMD's plan is a permutation (divided by ``n``), so this
 is then the same as a Hungarian matching on the same cost. Activations are those of the
@@ -75,7 +77,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fedfuse.fusion.base import FusionInputs
-from fedfuse.fusion.blocks.selection import Fused, lowest_fusion_set_loss
+from fedfuse.fusion.blocks.selection import Fused, best_on_fusion_set
 from fedfuse.fusion.blocks.transport import SOLVERS
 from fedfuse.fusion.inputs import averaging_candidates, check_levels, sample_counts
 from fedfuse.fusion.methods.matching.aligned_average import AlignedAverage
@@ -99,14 +101,14 @@ class OTFusion(AlignedAverage):
         reference: the reference model, whose neurons the others are transported onto (the
             paper aligns to "one of the models", leaving which open): its index (default 0);
             ``"largest"``, the model with the most training samples (needs the sample counts);
-            or ``"auto"``, every model in turn, keeping the fused model with the lower
-            fusion-set cross-entropy (one alignment per model; without a labelled fusion set,
+            or ``"auto"``, every model in turn, keeping the fused model of higher
+            fusion-set accuracy (one alignment per model; without a labelled fusion set,
             the largest, or model 0 without sample counts). The default stays 0: where the
             weight cost wins (sites from one initialisation) every reference gives the same
             identity transport, and ``"auto"`` costs N alignments.
         ground_metric: ``"activations"`` (pre-activations on the fusion set) or ``"weights"``
             (realigned incoming weights and bias; needs no fusion set); ``"auto"`` (default):
-            on affine models, both, keeping the fused model with the lower cross-entropy on the
+            on affine models, both, the activations preferred, keeping the better on the
             labelled fusion set (the paper leaves the cost open, and neither wins everywhere:
             activations on independently trained sites, weights on sites that share their
             initialisation); activations elsewhere, weights without a fusion set.
@@ -117,8 +119,8 @@ class OTFusion(AlignedAverage):
         fallback_scores: score method on the fusion set when scores are used but none given.
         weighted_average: the weights of the average of the aligned models: ``False``
             uniform (the paper's ``ensemble_step=0.5`` for two models), ``True`` by sample
-            counts (FedAvg's), or ``"auto"`` (default): both, keeping the fused model with the
-            lower cross-entropy on the labelled fusion set (the paper leaves the proportions to
+            counts (FedAvg's), or ``"auto"`` (default): both, the counts preferred, keeping the
+            better on the labelled fusion set (the paper leaves the proportions to
             the user; sites of unequal sizes favour the counts, sites of equal skill uniform).
             The transport does not depend on them, so the aligned models are averaged twice,
             not realigned. Without labels, the sample counts; without sample counts, uniform.
@@ -136,8 +138,8 @@ class OTFusion(AlignedAverage):
     Details: ``reference``, ``ground_metric``, ``weighting`` (``"uniform"`` or ``"samples"``),
     ``weights``; where an ``"auto"`` option chose, ``ground_metric_chosen``,
     ``reference_chosen``, ``weighting_chosen`` and ``fusion_set_losses`` (per candidate fusion,
-    its ``ground_metric``, ``reference``, ``weighting`` and ``loss``); and ``levels``: per
-    hidden level its ``level`` name,
+    its ``ground_metric``, ``reference``, ``weighting``, ``loss`` and ``accuracy``); and
+    ``levels``: per hidden level its ``level`` name,
     ``transport_cost`` (``<P*, C>`` per aligned model, in the ground metric's units),
     ``seconds`` (cost and transport, all models) and ``permutation`` (whether every plan was a
     permutation). On the feature-space path ``spaces`` instead, the same per feature space,
@@ -235,14 +237,14 @@ class OTFusion(AlignedAverage):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec, affine: bool
     ) -> tuple[LeveledModel, dict[str, Any]]:
         """Align (per ground metric and reference), average (per weighting), keep the
-        candidate with the lowest fusion-set loss where there are several."""
+        candidate :func:`best_on_fusion_set` keeps where there are several."""
         metrics = self._metrics(inputs) if affine else ["activations"]
         references = self._references(models, inputs)
         weightings = averaging_candidates(self.name, inputs, len(models), self.weighted_average)
         fusions = self._fusions(models, inputs, target, affine, metrics, references, weightings)
         if len(metrics) * len(references) * len(weightings) == 1:
             return next(fusions)[1]
-        chosen = lowest_fusion_set_loss(fusions, inputs, self.batch_size_capture)
+        chosen = best_on_fusion_set(fusions, inputs, self.batch_size_capture)
         details = chosen.details
         for option, key in (("ground_metric", metrics), ("reference", references)):
             if len(key) > 1:
@@ -250,7 +252,13 @@ class OTFusion(AlignedAverage):
         if len(weightings) > 1:
             details["weighting_chosen"] = details["weighting"]
         losses = [
-            {"ground_metric": metric, "reference": ref, "weighting": weighting, "loss": loss}
+            {
+                "ground_metric": metric,
+                "reference": ref,
+                "weighting": weighting,
+                "loss": loss,
+                "accuracy": chosen.accuracies[(metric, ref, weighting)],
+            }
             for (metric, ref, weighting), loss in chosen.losses.items()
         ]
         details["fusion_set_losses"] = losses
@@ -314,18 +322,20 @@ class OTFusion(AlignedAverage):
 
     def _references(self, models: list[LeveledModel], inputs: FusionInputs) -> list[int]:
         """The reference models to align to: the index; ``"largest"``: the model with the most
-        samples; ``"auto"``: every model when the fusion set is labelled, else the largest (or
-        model 0 without sample counts)."""
+        samples; ``"auto"``: every model when the fusion set is labelled (the largest, or model
+        0 without sample counts, first: preferred), else that one."""
         if isinstance(self.reference, int):
             return [self.reference]
-        labelled = inputs.data is not None and inputs.labels is not None
-        if self.reference == "auto" and labelled:
-            return list(range(len(models)))
         if inputs.sample_counts is None:
             if self.reference == "largest":
                 raise ValueError(
                     f"{self.name}: needs FusionInputs.sample_counts, which was not given"
                 )
-            return [0]
-        counts = sample_counts(self.name, inputs, len(models))
-        return [counts.index(max(counts))]
+            fallback = 0
+        else:
+            counts = sample_counts(self.name, inputs, len(models))
+            fallback = counts.index(max(counts))
+        labelled = inputs.data is not None and inputs.labels is not None
+        if self.reference == "auto" and labelled:  # the fallback preferred
+            return [fallback] + [k for k in range(len(models)) if k != fallback]
+        return [fallback]
