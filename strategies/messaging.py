@@ -74,12 +74,15 @@ def stream_replies(
 
     A reply that says the Ray worker running the site was lost (:func:`lost_worker`) is not
     yielded: the message is sent again, up to ``retries`` times per message, and only the last
-    such error is yielded.
+    such error is yielded. It is held until another site answers (or nothing else is out):
+    Flower's actor pool hands the next message to the actor that returned last, which is the
+    dead one right after its failure, and a live one once another site answered.
     """
     queue = list(messages)[::-1]
     pending: dict[str, Message] = {}
     unsent: list[int] = []
     resent: dict[int, int] = {}  # node -> times its message was sent again
+    held: list[Message] = []  # to send again once a live worker is back in Flower's pool
 
     def push(count: int) -> None:
         batch = [queue.pop() for _ in range(min(count, len(queue)))]
@@ -92,7 +95,7 @@ def stream_replies(
 
     push(max_in_flight if max_in_flight > 0 else len(queue))
     deadline = time.monotonic() + timeout
-    while (pending or queue) and time.monotonic() < deadline:
+    while (pending or queue or held) and time.monotonic() < deadline:
         # one request for every pending reply (the SuperLink returns those that arrived), each
         # handled before the next is looked at
         replies = list(grid.pull_messages(list(pending)))[::-1] if pending else []
@@ -111,12 +114,17 @@ def stream_replies(
                     resent[node],
                     retries,
                 )
-                queue.append(_again(sent))
+                held.append(_again(sent))
                 continue
+            queue.extend(held)  # a site answered: its worker is back, and next in line
+            held.clear()
             yield reply
+        if held and not pending and not queue:
+            queue.extend(held)
+            held.clear()
         push(max_in_flight - len(pending) if max_in_flight > 0 else len(queue))
         time.sleep(poll_interval)
-    never_sent = [msg.metadata.dst_node_id for msg in reversed(queue)]
+    never_sent = [msg.metadata.dst_node_id for msg in [*reversed(queue), *held]]
     return sorted(msg.metadata.dst_node_id for msg in pending.values()) + unsent + never_sent
 
 

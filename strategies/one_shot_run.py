@@ -206,7 +206,10 @@ class OneShotRun:
             max_in_flight=settings.max_in_flight,
             target=settings.fused_spec,
             contract=contract,
-            check_contract=bool(settings.fusion_data),  # the sites then hold their own files
+            # every site checks its data first, in a simulation too: a site that dies later
+            # (a lost Ray node) is then named by its partition, and a policy that refuses
+            # what the run asks refuses before any site trains
+            check_contract=True,
             on_fused=lambda name, result: self.on_fused(name, result, strategy),
             secure=SecureSettings(settings.secure_threshold, settings.reply_timeout)
             if settings.secure_aggregation

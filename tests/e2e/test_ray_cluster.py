@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,9 +44,15 @@ def _cluster_processes(temp_dir: str, port: int) -> list[int]:
     return found
 
 
+#: the processes of the worker node of the running :func:`two_node_cluster` (its raylet ...)
+worker_processes: list[int] = []
+
+
 @pytest.fixture
 def two_node_cluster():
-    """A head node and a worker node on 127.0.0.1, one CPU each; yields the head's address."""
+    """A head node and a worker node on 127.0.0.1, one CPU each; yields the head's address
+    (the worker node's processes are in :data:`worker_processes`)."""
+    worker_processes.clear()
     ray = str(Path(sys.executable).parent / "ray")
     # a short path of its own: Ray's sockets live under it, and no other Ray finds this cluster
     temp_dir = tempfile.mkdtemp(prefix="ffray-", dir="/tmp")
@@ -57,12 +65,14 @@ def two_node_cluster():
     head += [f"--ray-client-server-port={free_port()}"]
     worker = [ray, "start", f"--address={address}", *common]
     try:
-        for command in (head, worker):
-            subprocess.run(command, env=env, check=True, capture_output=True, timeout=patience(180))
+        subprocess.run(head, env=env, check=True, capture_output=True, timeout=patience(180))
+        head_processes = set(_cluster_processes(temp_dir, port))
+        subprocess.run(worker, env=env, check=True, capture_output=True, timeout=patience(180))
         deadline = time.monotonic() + patience(60)
         while len(connect(address).nodes) < 2:
             assert time.monotonic() < deadline, "the worker node never joined the cluster"
             time.sleep(1)
+        worker_processes.extend(sorted(set(_cluster_processes(temp_dir, port)) - head_processes))
         yield address
     finally:
         stop_process_tree(_cluster_processes(temp_dir, port))
@@ -107,3 +117,50 @@ def test_a_cluster_that_does_not_answer_is_named_before_flower_starts(tmp_path):
     assert completed.returncode != 0
     assert f"no Ray cluster answers at {address}" in completed.stderr
     assert not (tmp_path / "flwr-home").exists()  # Flower never started
+
+
+def test_a_ray_node_killed_mid_run_costs_no_site_its_name(two_node_cluster, tmp_path):
+    """docs/cluster.md section 5, run: the worker node is killed (SIGKILL, every process it
+    had) once the first site uploaded. The sites whose worker was lost are sent again (at most
+    twice; Ray runs them on the node left), and any site that still fails is named by its
+    partition, as it named itself in the data check; the run fuses what arrived."""
+    env, control_port = flower_test_env(tmp_path)
+    out = tmp_path / "outputs"
+    command = [
+        *(sys.executable, "-m", "fedfuse.cli.main", "simulate", "--app", str(REPO)),
+        *("--num-clients", "8", "--ray-address", two_node_cluster, "--output-dir", str(out)),
+        *("--timeout", str(round(patience(600))), "--run-config"),
+        "train-samples=2000 local-epochs=2 score-samples=32 score-steps=4 test-samples=500 "
+        "mlp-widths='64,64' strategy='fedavg' min-nodes=3",
+    ]
+    log_file = tmp_path / "simulate.log"
+    with open(log_file, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + patience(600)
+            while process.poll() is None and time.monotonic() < deadline:
+                if worker_processes and list(out.glob("*/clients/client_*.safetensors")):
+                    for pid in worker_processes:  # the node dies: its raylet and all it ran
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    worker_processes.clear()
+                time.sleep(0.1)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            stop_process_tree(superlink_pids(control_port))
+    output = log_file.read_text()
+    assert not worker_processes, "no site uploaded before the end:\n" + output[-3000:]
+    report = json.loads((out / "latest" / "results.json").read_text())
+    assert report["status"] in ("ok", "partial"), output[-3000:]
+    sites = report["sites"]
+    # every site named by its partition, whether it uploaded or failed
+    assert sorted(s["partition_id"] for s in sites) == list(range(8)), sites
+    lost = [s for s in sites if s["status"] != "uploaded"]
+    for site in lost:  # each a site whose worker was lost on every try, with Ray's reason
+        assert site["status"] == "failed" and "ray.exceptions" in site["reason"], site
+    assert report["status"] == ("partial" if lost else "ok")
+    resent = output.count("sending its message again")
+    assert resent <= 2 * len(sites)  # at most twice per site
+    assert report["fusions"]["fedavg"]["status"] == "ok"
+    print(f"killed mid-run: {len(sites) - len(lost)} of 8 sites uploaded, {resent} sent again")
