@@ -21,9 +21,8 @@ INSTALLED=$(cat pyproject.toml constraints.txt setup.sh | sha256sum | cut -d' ' 
 STAMP=.venv/.fedfuse-installed
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$INSTALLED" ]; then
   # uv installs the pinned set in about 30 s where pip takes about 120 s (parallel downloads
-  # and unpacking); it runs from a temporary folder, so the environment holds what pip would
-  # install (a uv inside it would make Flower try to install each app's dependencies). Where
-  # uv cannot be had or fails, pip installs alone.
+  # and unpacking). It runs from a temporary folder (the environment gets its own uv as a
+  # dependency of flwr); where uv cannot be had or fails, pip installs alone.
   UV_DIR=$(mktemp -d)
   if .venv/bin/python -m pip install -q --disable-pip-version-check --target "$UV_DIR" uv \
     >/dev/null 2>&1 &&
