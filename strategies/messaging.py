@@ -74,9 +74,11 @@ def stream_replies(
 
     A reply that says the Ray worker running the site was lost (:func:`lost_worker`) is not
     yielded: the message is sent again, up to ``retries`` times per message, and only the last
-    such error is yielded. It is held until another site answers (or nothing else is out):
-    Flower's actor pool hands the next message to the actor that returned last, which is the
-    dead one right after its failure, and a live one once another site answered.
+    such error is yielded. It is held until another site answers: Flower's actor pool hands
+    the next message to the actor that returned last, which is the dead one right after its
+    failure, and a live one once another site answered. When nothing else is out, two copies
+    go at once (one reaches the dead actor and fails, the other a live one), and the first
+    answer that is not a lost worker counts.
     """
     queue = list(messages)[::-1]
     pending: dict[str, Message] = {}
@@ -93,6 +95,9 @@ def stream_replies(
                 else:
                     unsent.append(msg.metadata.dst_node_id)
 
+    def copies_out(node: int) -> list[str]:
+        return [mid for mid, msg in pending.items() if msg.metadata.dst_node_id == node]
+
     push(max_in_flight if max_in_flight > 0 else len(queue))
     deadline = time.monotonic() + timeout
     while (pending or queue or held) and time.monotonic() < deadline:
@@ -105,7 +110,10 @@ def stream_replies(
             if sent is None:
                 continue
             node = sent.metadata.dst_node_id
-            if lost_worker(reply) and resent.get(node, 0) < retries:
+            lost = lost_worker(reply)
+            if lost and copies_out(node):
+                continue  # its other copy may still reach a live worker
+            if lost and resent.get(node, 0) < retries:
                 resent[node] = resent.get(node, 0) + 1
                 log.warning(
                     "node %s: its worker was lost (%s); sending its message again (%d of %d)",
@@ -114,18 +122,22 @@ def stream_replies(
                     resent[node],
                     retries,
                 )
-                held.append(_again(sent))
+                held.append(sent)
                 continue
-            queue.extend(held)  # a site answered: its worker is back, and next in line
-            held.clear()
+            for mid in copies_out(node):  # the first answer counts; a later one is dropped
+                del pending[mid]
+            if not lost:
+                queue.extend(_again(msg) for msg in held)  # a worker is back, next in line
+                held.clear()
             yield reply
         if held and not pending and not queue:
-            queue.extend(held)
+            queue.extend(_again(msg) for msg in held for _ in range(2))
             held.clear()
         push(max_in_flight - len(pending) if max_in_flight > 0 else len(queue))
         time.sleep(poll_interval)
     never_sent = [msg.metadata.dst_node_id for msg in [*reversed(queue), *held]]
-    return sorted(msg.metadata.dst_node_id for msg in pending.values()) + unsent + never_sent
+    out = sorted({msg.metadata.dst_node_id for msg in pending.values()})
+    return out + unsent + [node for node in dict.fromkeys(never_sent) if node not in out]
 
 
 def _again(sent: Message) -> Message:

@@ -229,10 +229,10 @@ class _LostWorkerGrid(_WindowGrid):
         self.losses, self.crash, self.pushed = dict(losses), set(crash), []
 
     def push_messages(self, messages):
-        self.pushed += [m.metadata.dst_node_id for m in messages]
         ids = []
         for msg in messages:
-            mid = f"m{len(self.pushed)}-{msg.metadata.dst_node_id}"
+            self.pushed.append(msg.metadata.dst_node_id)
+            mid = f"m{len(self.pushed)}"
             self.outstanding[mid] = msg
             ids.append(mid)
         return ids
@@ -281,3 +281,13 @@ def test_a_message_whose_ray_worker_was_lost_is_sent_again_a_bounded_number_of_t
     grid = _LostWorkerGrid({2: 1})
     replies, _ = _drain(stream_replies(grid, messages, 10, poll_interval=0, retries=0))
     assert [r.metadata.src_node_id for r in replies if r.has_error()] == [2]
+
+
+def test_a_lone_message_whose_worker_was_lost_goes_twice_and_the_live_answer_counts():
+    """With nothing else out, Flower's pool would hand the message straight back to the dead
+    actor: two copies go, the one on the dead actor fails, the other answers."""
+    message = Message(content=RecordDict(), dst_node_id=7, message_type=MessageType.TRAIN)
+    grid = _LostWorkerGrid({7: 2})  # the first try and one of the two copies hit the dead actor
+    replies, silent = _drain(stream_replies(grid, [message], 10, poll_interval=0))
+    assert silent == [] and grid.pushed == [7, 7, 7]
+    assert len(replies) == 1 and not replies[0].has_error()
