@@ -171,17 +171,27 @@ def test_simulation_trains_uploads_fuses_and_reports(tmp_path):
     assert client.metadata["class_counts"] == clients[1]["class_counts"]
 
 
-def test_a_failed_run_exits_non_zero_and_records_the_error(tmp_path):
-    """A run whose test set file is missing fails in the ServerApp's preflight, before any site
-    trains, and is reported as failed with the error and the phase."""
+def test_a_missing_server_file_ends_simulate_before_flower_starts(tmp_path):
+    """A run whose test set file is missing is refused by `fedfuse simulate` in one line naming
+    the key and the file, before Flower starts (the ServerApp's own check of its files, which
+    a deployment relies on, is tests/flower/test_run_outcomes.py's)."""
     missing = tmp_path / "no-such-test-file.npz"
-    completed, out, _ = _simulate(tmp_path, f"{SMALL} test-data='{missing}'")
+    env, _ = flower_test_env(tmp_path)
+    started = time.monotonic()
+    completed = subprocess.run(
+        [sys.executable, "-m", "fedfuse.cli.main", "simulate", "--output-dir", str(tmp_path)]
+        + ["--run-config", f"{SMALL} test-data='{missing}'"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
+        cwd=REPO,
+    )
     assert completed.returncode != 0
-    assert "no-such-test-file.npz" in completed.stderr
-    report = json.loads((out / "latest" / "results.json").read_text())
-    assert report["status"] == "failed" and "no-such-test-file.npz" in report["error"]
-    assert report["failed_phase"] == "preflight"
-    assert not list((out / "latest").glob("clients/client_*.safetensors"))  # none trained
+    (line,) = completed.stderr.strip().splitlines()
+    assert f"run config test-data='{missing}': no such file" in line
+    assert not (tmp_path / "flwr-home").exists() and not (tmp_path / "latest").exists()
+    assert time.monotonic() - started < patience(60)  # no Flower, no Ray
 
 
 def test_faulty_sites_are_named_and_the_run_goes_on_in_every_round(tmp_path):
