@@ -68,24 +68,14 @@ def test_the_preferred_candidate_stays_within_a_standard_error():
 def test_auto_option_prefers_the_unlabelled_value_and_reports_every_value():
     assert preferred_first((1e-4, 1e-2, 1.0), 1e-2) == [1e-2, 1e-4, 1.0]
     models = {0.0: _model(8, False), 0.5: _model(9, True), 1.0: _model(18, True)}
-    fused = fuse_with_option(
-        "m",
-        "damping",
-        "auto",
-        lambda v: (models[v], {"damping": v}),
-        grid=(0.0, 1.0),
-        unlabelled=0.5,
-        inputs=INPUTS,
-    )
+
+    def choose(inputs):
+        fuse = lambda v: (models[v], {"damping": v})  # noqa: E731
+        return fuse_with_option(
+            "m", "damping", "auto", fuse, grid=(0.0, 1.0), unlabelled=0.5, inputs=inputs
+        )
+
+    fused = choose(INPUTS)
     assert fused[1]["damping"] == 1.0
     assert fused[1]["fusion_set_accuracies"] == {"0.5": 0.45, "0.0": 0.4, "1.0": 0.9}
-    unlabelled = fuse_with_option(
-        "m",
-        "damping",
-        "auto",
-        lambda v: (models[v], {"damping": v}),
-        grid=(0.0, 1.0),
-        unlabelled=0.5,
-        inputs=FusionInputs(data=INPUTS.data),
-    )
-    assert unlabelled[1] == {"damping": 0.5}
+    assert choose(FusionInputs(data=INPUTS.data))[1] == {"damping": 0.5}  # without labels
