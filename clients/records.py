@@ -338,8 +338,6 @@ def unpack_statistics_request(content: RecordDict) -> tuple[StatisticsRequest, L
         raise ValueError(f"malformed statistics request ({error!r})") from None
     fused = model_from_state(fused_spec, fused_state, source="the fused model of the request")
     model = model_from_state(model_spec, model_state, source="the site's model in the request")
-    if not 0 <= level < fused.num_levels:
-        raise ValueError(f"statistics request for level {level}; the model has {fused.num_levels}")
     request = StatisticsRequest(
         level,
         fused,

@@ -348,7 +348,7 @@ def statistics_on_data(
     _check_fits_model(inputs, model, who)
     statistics = site_statistics(model, inputs, request, device=device)
     if policy is not None:
-        columns = request.linear_piece.fan_in(request.fused.levels[request.level])
+        columns = request.linear_piece.fan_in(request.fused_level)
         policy.check_statistic(what, samples, statistics.rows, columns)
     log.info(
         "%s: statistics of level %d on %d rows in %.1f s",

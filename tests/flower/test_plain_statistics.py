@@ -44,13 +44,35 @@ class SmallNet(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+class ResidualNet(nn.Module):
+    """A user's CNN with BatchNorm and a residual add, as torchvision's ResNets are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(x + self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
 class OtherNet(SmallNet):
     """Another class, whose weights have the same shapes."""
 
 
-def _net(seed: int) -> SmallNet:
+def _net(seed: int, net: type[nn.Module] = SmallNet) -> nn.Module:
     torch.manual_seed(seed)
-    return SmallNet().eval()
+    model = net()
+    for norm in model.modules():  # running statistics as training leaves them, not 0 and 1
+        if isinstance(norm, nn.BatchNorm2d):
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2.0)
+    return model.eval()
 
 
 def _site_data(seed: int, n: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +89,14 @@ class _PlainAppGrid(HeldReplies):
     net's weights and ``num-examples``, and statistics rounds with ``answer_statistics`` on
     their own data (a ``DataLoader``); each site's Context persists, as Flower's does."""
 
-    def __init__(self, nets: dict[int, nn.Module], data: dict[int, tuple], **node_config) -> None:
-        self.nets, self.data = nets, data
+    def __init__(
+        self,
+        nets: dict[int, nn.Module],
+        data: dict[int, tuple],
+        net: type[nn.Module] = SmallNet,
+        **node_config,
+    ) -> None:
+        self.nets, self.data, self.net = nets, data, net
         self.contexts = {node: _context(node, **node_config) for node in nets}
         super().__init__()
         self.statistics_replies: list[Message] = []
@@ -87,7 +115,7 @@ class _PlainAppGrid(HeldReplies):
             msg.content = copy.deepcopy(msg.content)  # as over a wire
             if msg.metadata.message_type == "query.statistics":
                 loader = DataLoader(TensorDataset(*self.data[node]), batch_size=16, shuffle=True)
-                reply = answer_statistics(msg, self.contexts[node], SmallNet, loader)
+                reply = answer_statistics(msg, self.contexts[node], self.net, loader)
                 self.statistics_replies.append(reply)
             else:
                 metrics = MetricRecord({"num-examples": len(self.data[node][1])})
@@ -100,21 +128,27 @@ class _PlainAppGrid(HeldReplies):
         return ids
 
 
-@pytest.mark.parametrize("method", ["kf-sites", "hf-sites"])
-def test_a_plain_app_answers_statistics_rounds_as_the_library_computes_them(tmp_path, method):
-    nets = {3: _net(0), 8: _net(1)}
+@pytest.mark.parametrize(
+    ("method", "net"),
+    [("kf-sites", SmallNet), ("hf-sites", SmallNet), ("kf-sites", ResidualNet)],
+    ids=["kf-sites", "hf-sites", "kf-sites-residual-batchnorm"],
+)
+def test_a_plain_app_answers_statistics_rounds_as_the_library_computes_them(
+    tmp_path, method, net
+):
+    nets = {3: _net(0, net), 8: _net(1, net)}
     data = {3: _site_data(0), 8: _site_data(1)}
     strategy = OneShotFusion(
-        method, model_fn=SmallNet, input_shape=SHAPE, client_statistics=True, store=tmp_path
+        method, model_fn=net, input_shape=SHAPE, client_statistics=True, store=tmp_path
     )
-    grid = _PlainAppGrid(nets, data)
-    result = strategy.start(grid, ArrayRecord(SmallNet().state_dict()))
+    grid = _PlainAppGrid(nets, data, net)
+    result = strategy.start(grid, ArrayRecord(net().state_dict()))
     assert not strategy.failures and not strategy.problems
     assert grid.statistics_replies and all(
         "statistics" in r.content.array_records for r in grid.statistics_replies
     )
     fused = strategy.results[method].model
-    assert type(fused) is SmallNet
+    assert type(fused) is net
     expected = (
         make_fusion_method(method)
         .fuse(
@@ -125,7 +159,7 @@ def test_a_plain_app_answers_statistics_rounds_as_the_library_computes_them(tmp_
     )
     for name, tensor in expected.state_dict().items():
         assert torch.allclose(fused.state_dict()[name], tensor, atol=1e-4), name
-    assert set(result.arrays.to_torch_state_dict()) == set(SmallNet().state_dict())
+    assert set(result.arrays.to_torch_state_dict()) == set(net().state_dict())
 
 
 def test_without_client_statistics_the_refusal_says_what_to_add():

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
@@ -125,8 +126,8 @@ def check_reply(
             f"{source}: answered for level {reply.level} piece {reply.piece}, not "
             f"{request.level} piece {request.piece}"
         )
-    level, piece = request.fused.levels[request.level], request.linear_piece
-    own_level = model.levels[request.level]
+    level, piece = request.fused_level, request.linear_piece
+    own_level = fold_norm_levels(model)[0].levels[request.level]
     own_pieces = linear_pieces(own_level)
     if own_pieces is None or len(own_pieces) <= request.piece:
         raise ValueError(f"{source}: its model has no piece {request.piece} here")

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.least_squares import ridge_fit, symmetric_eigh
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.statistics.privacy import GaussianStatistics, clip_samples, noisy_moments
@@ -58,7 +59,8 @@ def site_statistics(
         raise ValueError("site statistics need at least one sample")
     index = request.level
     run_on = resolve_device(device)
-    fused, own = (_on(m, run_on) for m in (request.fused, model))
+    # both models as the rounds index their levels (a user's BatchNorm joined to its layer)
+    fused, own = (fold_norm_levels(_on(m, run_on))[0] for m in (request.fused, model))
     piece = request.linear_piece
     fused_level, own_level = fused.levels[index], own.levels[index]
     own_pieces = linear_pieces(own_level)

@@ -35,10 +35,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import torch
+from torch import nn
 
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.least_squares import ridge_fit
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.statistics.privacy import GaussianStatistics
@@ -53,7 +56,8 @@ class StatisticsRequest:
     """The server's request for one round: the statistics of neuron level ``level``.
 
     Attributes:
-        level: index of the fused model's level to fit (a level with neurons).
+        level: index of the level to fit (a level with neurons) in :attr:`view`, the fused model
+            as its levels are fitted.
         piece: which of the level's linear pieces
         (:func:`~fedfuse.fusion.blocks.pieces.linear_pieces`):
             0 for an affine level; a ResNet block's ``conv1`` then ``conv2``.
@@ -97,23 +101,41 @@ class StatisticsRequest:
             raise ValueError(f"gram_rank must be >= 1 or None, got {self.gram_rank}")
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be >= 1 or None, got {self.max_samples}")
-        pieces = linear_pieces(self.fused.levels[self.level])
+        if not 0 <= self.level < self.view.num_levels:
+            raise ValueError(
+                f"statistics request for level {self.level}; the model has "
+                f"{self.view.num_levels}"
+            )
+        pieces = linear_pieces(self.fused_level)
         if pieces is None:
             raise ValueError(
-                f"level {self.fused.level_name(self.level)} of the fused model is neither affine "
+                f"level {self.view.level_name(self.level)} of the fused model is neither affine "
                 "(parameter-free ops then one Linear/Conv2d) nor a ResNet stem or BasicBlock; "
                 "site statistics need its linear pieces"
             )
         if not 0 <= self.piece < len(pieces):
             raise ValueError(
-                f"piece {self.piece} of level {self.fused.level_name(self.level)}, which has "
+                f"piece {self.piece} of level {self.view.level_name(self.level)}, which has "
                 f"{len(pieces)}"
             )
+
+    @cached_property
+    def view(self) -> LeveledModel:
+        """The fused model as the rounds fit it, which :attr:`level` indexes: in a user's model,
+        each BatchNorm level joined to the ``Linear``/``Conv2d`` level before it (one unit,
+        :func:`~fedfuse.fusion.blocks.graph_pieces.fold_norm_levels`, sharing the modules);
+        :attr:`fused` itself otherwise. Sites fold their own model the same way."""
+        return fold_norm_levels(self.fused)[0]
+
+    @property
+    def fused_level(self) -> nn.Module:
+        """The fused level whose statistics are requested."""
+        return self.view.levels[self.level]
 
     @property
     def linear_piece(self) -> LinearPiece:
         """The piece of the fused level whose statistics are requested."""
-        pieces = linear_pieces(self.fused.levels[self.level])
+        pieces = linear_pieces(self.fused_level)
         assert pieces is not None
         return pieces[self.piece]
 

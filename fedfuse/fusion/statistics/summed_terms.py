@@ -147,8 +147,8 @@ def statistics_norm_units(
     site of ``samples`` samples whose design columns and (read) targets had the fusion set's
     mean squares per sample, averaged over ``models`` (by model index, each read through
     ``request.readings`` when given)."""
-    index, piece, fused = request.level, request.linear_piece, request.fused
-    level = fused.levels[index]
+    index, piece, fused = request.level, request.linear_piece, request.view
+    level = request.fused_level
     design = piece.design(level, fused.forward_levels(data, 0, index)).double()
     per_sample = len(design) / len(data)
     design_energy = design.pow(2).sum(0) / len(data)
@@ -207,7 +207,7 @@ def summed_statistics(
         sent = {m: sums.upload_bytes.get(m, 0) for m in sums.sites}
     where = f"{where}: the sum over sites"
     total = statistics_from_terms(sums.terms, request.level, request.piece, source=where)
-    level, piece = request.fused.levels[request.level], request.linear_piece
+    level, piece = request.fused_level, request.linear_piece
     total.check(piece.fan_in(level), piece.width(level), source=where)
     return {-1: total}, sent
 

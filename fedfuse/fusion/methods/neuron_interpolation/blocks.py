@@ -66,11 +66,11 @@ def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) 
                 "encoder block, or in a model of yours a Linear/Conv2d with its BatchNorm, or a "
                 "residual block of such layers added to the block's input or to a "
                 "Linear/Conv2d shortcut (as torchvision's ResNets), the levels a Linear variant "
-                f"fits in closed form{_unfit_op(level)}; use a gradient variant for it"
+                f"fits in closed form{unfit_op(level)}; use a gradient variant for it"
             )
 
 
-def _unfit_op(level: nn.Module) -> str:
+def unfit_op(level: nn.Module) -> str:
     """``" (its op 'x' is ...)"``: the first op of a graph level that no piece takes."""
     if not isinstance(level, fx.GraphModule):
         return ""

@@ -11,10 +11,11 @@ itself is :class:`~.sites.SiteInterpolation`'s.
 from __future__ import annotations
 
 from fedfuse.fusion.base import FusionMethod
-from fedfuse.fusion.blocks.graph_pieces import read_block
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.pieces import check_affine_intercept, linear_pieces
 from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
+from fedfuse.fusion.methods.neuron_interpolation.blocks import unfit_op
 from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
 from fedfuse.fusion.statistics.privacy import check_dp_options
 from fedfuse.fusion.statistics.rounds import STATISTICS_DTYPES
@@ -139,21 +140,19 @@ class SiteOptions(FusionMethod):
     def check_architecture(self, model: LeveledModel) -> None:
         """The statistics rounds fit each linear piece in closed form from the sites' Grams of
         its design rows (:func:`~fedfuse.fusion.blocks.pieces.linear_pieces`): every level with
-        neurons must be affine, a ResNet stem or BasicBlock, or a ViT embedding or block."""
+        neurons must be affine, a ResNet stem or BasicBlock, or a ViT embedding or block, or
+        in a user's model a graph level read as such pieces (a ``Linear``/``Conv2d`` with its
+        BatchNorm, residual blocks of them: :mod:`~fedfuse.fusion.blocks.graph_pieces`)."""
+        model, _ = fold_norm_levels(model)  # the levels as the rounds index them
         for index in model.neuron_levels:
-            if read_block(model.levels[index]) is not None:
-                raise ValueError(
-                    f"{self.name} fits from the sites' statistics, which do not cover a graph "
-                    f"level of your own model yet ({model.spec.arch} level "
-                    f"{model.level_name(index)}, a model with residual adds or normalisation); "
-                    "use kf-linear for it"
-                )
             if linear_pieces(model.levels[index]) is None:
                 raise ValueError(
                     f"{self.name} fits every level in closed form from the sites' statistics, "
                     "which needs affine levels (parameter-free ops then one Linear/Conv2d), "
-                    f"ResNet blocks or ViT blocks; {model.spec.arch} level "
-                    f"{model.level_name(index)} is none of these; use kf-gradient for it"
+                    "ResNet blocks or ViT blocks, or in a model of yours a Linear/Conv2d with "
+                    "its BatchNorm and residual blocks of them; "
+                    f"{model.spec.arch} level {model.level_name(index)} is none of these"
+                    f"{unfit_op(model.levels[index])}; use kf-gradient for it"
                 )
             if self.dp_epsilon is not None and any(
                 piece.stream is not None for piece in linear_pieces(model.levels[index]) or ()

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedfuse.fusion.base import FusionInputs
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.blocks.whitening import uses_whitening_cutoff
 from fedfuse.fusion.inputs import resolve_scores
@@ -85,7 +86,18 @@ class SiteInterpolation(SiteOptions):
             normalization=self.score_normalization,
             device="cpu",
         )
-        fused = build_model(target, seed=self.seed).eval()
+        result = build_model(target, seed=self.seed).eval()
+        # a user's BatchNorm level is fitted with the layer before it: the rounds run on views
+        # in which each such pair is one level (sharing the modules; the sites fold theirs)
+        fused, at = fold_norm_levels(result)
+        views = [fold_norm_levels(m) for m in models]
+        models = [view for view, _ in views]
+        scores = [
+            {where[level]: s[level] for level in sorted(s)}
+            for s, (_, where) in zip(scores, views, strict=True)
+        ]
+        levels = sorted({at[level] for level in levels})
+        self._result = result
         active = list(range(len(models)))
         details: dict[str, Any] = {"variant": f"{self.grouping}-sites", "levels": [], "rounds": []}
         bar = tqdm(levels, desc=self.name, disable=not self.progress, leave=False)
@@ -114,7 +126,7 @@ class SiteInterpolation(SiteOptions):
         if budget is not None:
             details["privacy"] = budget.account()
         details["problems"] = list(sites.problems) if sites is not None else []
-        return fused, details
+        return result, details
 
     def _mechanism(
         self,
@@ -167,7 +179,7 @@ class SiteInterpolation(SiteOptions):
             readings = dict(zip(active, found, strict=True))
         request = StatisticsRequest(
             index,
-            fused,
+            self._result,
             self.max_samples,
             self.statistics_dtype,
             self.seed,
