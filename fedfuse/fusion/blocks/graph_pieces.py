@@ -284,38 +284,46 @@ def _ends_in_layer(level: nn.Module) -> bool:
 
 def fold_norm_levels(model: LeveledModel) -> tuple[LeveledModel, dict[int, int]]:
     """The view of ``model`` where each graph level ending in a ``Linear``/``Conv2d`` and the
-    BatchNorm level right after it are one level (sharing the modules), and the view's level
-    of each of ``model``'s levels. ``model`` itself (identity map) when nothing folds. Levels
-    with an identity shortcut are marked residual (:meth:`LeveledModel.is_residual`)."""
+    BatchNorm level right after it are one level (sharing the modules), a traced Vision
+    Transformer's levels are fedfuse's ViT levels (:func:`~.token_levels.token_levels`), and
+    the view's level of each of ``model``'s levels. ``model`` itself (identity map) when nothing
+    folds. Levels with an identity shortcut are marked residual
+    (:meth:`LeveledModel.is_residual`)."""
+    from fedfuse.fusion.blocks.token_levels import token_levels
+
+    tokens = token_levels(list(model.levels))
+    source, first = tokens if tokens is not None else (list(model.levels), None)
     levels: list[nn.Module] = []
-    where: dict[int, int] = {}
+    at: dict[int, int] = {}
     index = 0
-    while index < model.num_levels:
-        level = model.levels[index]
-        following = model.levels[index + 1] if index + 1 < model.num_levels else None
+    while index < len(source):
+        level = source[index]
+        following = source[index + 1] if index + 1 < len(source) else None
         if following is not None and _norm_only(following) and _ends_in_layer(level):
-            where[index] = where[index + 1] = len(levels)
-            levels.append(_joined(level, following))
+            at[index] = at[index + 1] = len(levels)
+            levels.append(joined(level, following))
             index += 2
             continue
-        where[index] = len(levels)
+        at[index] = len(levels)
         levels.append(level)
         index += 1
     for level in levels:
         block = read_block(level)
         if block is not None and block.identity:
             level.residual = True
-    if len(levels) == model.num_levels:
+    where = {i: at[first[i] if first is not None else i] for i in range(model.num_levels)}
+    if len(levels) == model.num_levels and first is None:
         return model, where
     view = LeveledModel(levels, model.spec)
-    widths = tuple(model.level_width(i) for i in model.neuron_levels)
-    kept = tuple(dict.fromkeys(where[i] for i in model.neuron_levels))
-    by_view = dict(zip((where[i] for i in model.neuron_levels), widths, strict=True))
-    view.spec = replace(model.spec, widths=tuple(by_view[i] for i in kept[:-1]))
+    by_view = {where[i]: model.level_width(i) for i in model.neuron_levels}
+    widths = tuple(
+        getattr(view.levels[i], "token_width", None) or by_view[i] for i in view.neuron_levels
+    )
+    view.spec = replace(model.spec, widths=widths[:-1])
     return view, where
 
 
-def _joined(first: fx.GraphModule, second: fx.GraphModule) -> fx.GraphModule:
+def joined(first: fx.GraphModule, second: fx.GraphModule) -> fx.GraphModule:
     """One graph level running ``first`` then ``second``, over the same modules."""
     graph = fx.Graph()
     value: fx.Node | None = None
@@ -333,11 +341,11 @@ def _joined(first: fx.GraphModule, second: fx.GraphModule) -> fx.GraphModule:
                     root[str(node.target)] = _attribute(part, str(node.target))
     assert value is not None
     graph.output(value)
-    joined = fx.GraphModule(root, graph, class_name="GraphLevel")
+    result = fx.GraphModule(root, graph, class_name="GraphLevel")
     labels = [getattr(p, "label", None) for p in (first, second)]
     if all(labels):
-        joined.label = "+".join(str(label) for label in labels)
-    return joined
+        result.label = "+".join(str(label) for label in labels)
+    return result
 
 
 def _attribute(root: nn.Module, path: str) -> object:
@@ -352,6 +360,7 @@ __all__ = [
     "Unit",
     "block_pieces",
     "fold_norm_levels",
+    "joined",
     "node_values",
     "op_kind",
     "read_block",

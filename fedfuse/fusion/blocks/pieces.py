@@ -62,6 +62,7 @@ from fedfuse.fusion.blocks.attention import (
 )
 from fedfuse.fusion.blocks.graph_pieces import block_pieces, read_block
 from fedfuse.fusion.blocks.linear_piece import LinearPiece, Rows, output_moments, set_batchnorm
+from fedfuse.fusion.blocks.token_levels import TokenEncoder, TokenLevel
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import AffineLevel, affine_view, fit_intercept, output_rows
 from fedfuse.models.resnet import BasicBlock, Stem
@@ -75,6 +76,10 @@ def linear_pieces(level: nn.Module) -> list[LinearPiece] | None:
     block = read_block(level)
     if block is not None:
         return block_pieces(block)
+    if isinstance(level, TokenEncoder):  # a user's ViT block: fedfuse's block's pieces
+        return list(_ENCODER)
+    if isinstance(level, TokenLevel):
+        return level.linear_pieces()
     if isinstance(level, Stem):
         return [_conv_piece("conv", ("conv",), "bn", lambda m, x: m.bn(m.conv(x)))]
     if isinstance(level, BasicBlock):
@@ -267,7 +272,7 @@ def _hidden(level: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _set(name: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], None]:
     def load(level: nn.Module, w: torch.Tensor, _gram: torch.Tensor) -> None:
-        AffineLevel([], dict(level.named_modules())[name]).set_weights(w)
+        AffineLevel([], getattr(level, name)).set_weights(w)
 
     return load
 

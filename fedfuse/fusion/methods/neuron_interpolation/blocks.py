@@ -25,6 +25,7 @@ from torch import fx, nn
 from fedfuse.fusion.blocks.attention import attention_logits, attention_map_points
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, op_kind, read_block
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
+from fedfuse.fusion.blocks.token_levels import TokenLevel
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
 from fedfuse.fusion.methods.neuron_interpolation.sublayers import (
     chunks,
@@ -49,7 +50,7 @@ def is_block_level(level: nn.Module) -> bool:
     block, or a graph level of a user's model read as pieces
     (:func:`~fedfuse.fusion.blocks.graph_pieces.read_block`), all fitted by
     :func:`fit_block_linear`."""
-    return isinstance(level, BLOCK_LEVELS) or read_block(level) is not None
+    return isinstance(level, (*BLOCK_LEVELS, TokenLevel)) or read_block(level) is not None
 
 
 def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) -> None:
