@@ -295,4 +295,36 @@ def _attribute(root: nn.Module, path: str) -> object:
     return value
 
 
-__all__ = ["read_attention", "read_embedding", "read_head", "read_mlp"]
+# ------------------------------------------------------------------------------ refusals
+_PART_MODULES: dict[str, tuple[type, ...]] = {
+    "embedding": (nn.Conv2d, *_DROPOUTS),
+    "mlp": (nn.LayerNorm, nn.Linear, *_ELEMENTWISE),
+    "head": (nn.LayerNorm, nn.Linear),
+}
+_PART_FUNCTIONS: dict[str, frozenset] = {
+    "embedding": frozenset(
+        {"reshape", "view", "flatten", "permute", "transpose", "expand", torch.cat, *_ADDS}
+        | {torch.flatten, torch.transpose}
+    ),
+    "mlp": frozenset({*ACTIVATION_FUNCTIONS, F.dropout, *_ADDS}),
+    "head": frozenset({operator.getitem}),
+}
+
+
+def odd_node(level: fx.GraphModule, part: str) -> fx.Node | None:
+    """The first node computing a tensor the output reads whose op the ``part``
+    (``"embedding"``, ``"mlp"``, ``"head"``) has no place for, else None (the ops are the
+    part's, their arrangement is not)."""
+    live = _live(level)
+    for node in level.graph.nodes:
+        if node not in live or node.op == "get_attr" or output_shape(node) is None:
+            continue
+        if node.op == "call_module":
+            if _module(level, node, _PART_MODULES[part]) is None:
+                return node
+        elif node.target not in _PART_FUNCTIONS[part]:
+            return node
+    return None
+
+
+__all__ = ["odd_node", "read_attention", "read_embedding", "read_head", "read_mlp"]

@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from fedfuse.fusion.blocks.attention import as_tokens, plain_norm
 from fedfuse.fusion.blocks.graph_attention import (
+    odd_node,
     read_attention,
     read_embedding,
     read_head,
@@ -32,6 +33,7 @@ from fedfuse.fusion.blocks.graph_attention import (
 )
 from fedfuse.fusion.blocks.linear_piece import LinearPiece
 from fedfuse.models.affine import AffineLevel, output_rows
+from fedfuse.models.graph_levels import describe
 
 
 class _Projection:
@@ -219,6 +221,47 @@ def token_levels(levels: list[nn.Module]) -> tuple[list[nn.Module], dict[int, in
     return result, where
 
 
+#: what a part of a user's ViT must be, by the part's name in :func:`~.graph_attention.odd_node`
+_PARTS = {
+    "embedding": "is no ViT patch embedding (a patch Conv2d on the input, flattened and "
+    "permuted to tokens, a class token in front, a position embedding added)",
+    "mlp": "is no MLP half of an encoder block (LayerNorm, Linear, an element-wise "
+    "activation, Linear, added to its input)",
+    "head": "is no ViT head (LayerNorm, the class token, one Linear)",
+}
+
+
+def token_refusal(levels: list[nn.Module]) -> tuple[int, str] | None:
+    """Where ``levels`` hold an attention half of an encoder block
+    (:func:`~.graph_attention.read_attention`) but are not as :func:`token_levels` reads them:
+    the first level of the part that is not, and why (naming its first op no piece takes, when
+    one is); else None."""
+    from fedfuse.fusion.blocks.graph_pieces import joined
+
+    starts = [i for i, level in enumerate(levels) if read_attention(level) is not None]
+    if not starts or token_levels(levels) is not None:
+        return None
+    if not all(isinstance(level, fx.GraphModule) for level in levels):
+        return None
+    for i in starts:
+        if i + 1 >= len(levels) or read_mlp(levels[i + 1]) is None:
+            return i + 1, _why(levels[i + 1] if i + 1 < len(levels) else None, "mlp")
+    for before, after in zip(starts, starts[1:], strict=False):
+        if after != before + 2:
+            return before + 2, "lies between two encoder blocks, where no piece takes a level"
+    first, last = starts[0], starts[-1] + 2
+    if first == 0 or read_embedding(_chain(levels[:first], joined)) is None:
+        return 0, _why(_chain(levels[:first], joined) if first else None, "embedding")
+    return last, _why(_chain(levels[last:], joined) if last < len(levels) else None, "head")
+
+
+def _why(level: fx.GraphModule | None, part: str) -> str:
+    node = odd_node(level, part) if level is not None else None
+    if node is None:
+        return _PARTS[part]
+    return f"{_PARTS[part]}: its node {node.name!r}, {describe(node, level)}, is none of these"
+
+
 def _chain(levels: list[nn.Module], join) -> fx.GraphModule:
     result = levels[0]
     for level in levels[1:]:
@@ -300,4 +343,5 @@ __all__ = [
     "TokenHead",
     "TokenLevel",
     "token_levels",
+    "token_refusal",
 ]

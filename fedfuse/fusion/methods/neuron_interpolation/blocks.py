@@ -25,7 +25,7 @@ from torch import fx, nn
 from fedfuse.fusion.blocks.attention import attention_logits, attention_map_points
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, op_kind, read_block
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
-from fedfuse.fusion.blocks.token_levels import TokenLevel
+from fedfuse.fusion.blocks.token_levels import TokenLevel, token_refusal
 from fedfuse.fusion.methods.neuron_interpolation.grouping import GroupFn
 from fedfuse.fusion.methods.neuron_interpolation.sublayers import (
     chunks,
@@ -57,6 +57,13 @@ def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) 
     """Raise ValueError naming the first neuron level that is neither affine (``affine(level)``
     not None) nor a block, after each BatchNorm level is folded into the layer before it
     (:func:`~fedfuse.fusion.blocks.graph_pieces.fold_norm_levels`)."""
+    refusal = token_refusal(list(model.levels))
+    if refusal is not None:  # a transformer whose levels are not all read as fedfuse's ViT's
+        index, reason = refusal
+        raise ValueError(
+            f"level {model.level_name(index)} {reason}; a Linear variant fits a Vision "
+            "Transformer in closed form only from such parts, use a gradient variant for it"
+        )
     model, _ = fold_norm_levels(model)
     for index in model.neuron_levels:
         level = model.levels[index]

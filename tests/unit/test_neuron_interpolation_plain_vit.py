@@ -1,0 +1,156 @@
+"""The closed-form neuron-interpolation methods on a user's own Vision Transformer (issue 49,
+item 2): torchvision's ``VisionTransformer`` read off its traced graph as fedfuse's ViT levels
+(patch embedding, encoder blocks of attention and MLP, norm and classifier), fitted by the same
+pieces, and returned as the user's class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import VisionTransformer
+
+from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
+from fedfuse.fusion.blocks.pieces import linear_pieces
+from fedfuse.fusion.blocks.token_levels import TokenEmbedding, TokenEncoder, TokenHead
+from fedfuse.models import ModelAdapter
+
+SHAPE = (1, 28, 28)
+CLASSES = 4
+
+
+class SmallViT(VisionTransformer):
+    """torchvision's ViT on grayscale 28x28 images: its own patch conv for one channel."""
+
+    def __init__(self) -> None:
+        super().__init__(28, 7, 2, 2, 32, 64, num_classes=CLASSES)
+        self.conv_proj = nn.Conv2d(1, 32, 7, 7)
+
+
+def _task(samples: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images of ``CLASSES`` noisy prototypes (fixed by the generator's first draw)."""
+    prototypes = torch.randn(CLASSES, *SHAPE, generator=torch.Generator().manual_seed(7))
+    labels = torch.randint(0, CLASSES, (samples,), generator=generator)
+    return prototypes[labels] + 1.5 * torch.randn(samples, *SHAPE, generator=generator), labels
+
+
+def _trained(seed: int) -> SmallViT:
+    torch.manual_seed(seed)
+    model = SmallViT()
+    x, y = _task(256, torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    for step in range(48):
+        batch = slice(64 * (step % 4), 64 * (step % 4 + 1))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def sites():
+    return [_trained(0), _trained(1)]
+
+
+@pytest.fixture(scope="module")
+def fusion_set():
+    return _task(160, torch.Generator().manual_seed(99))
+
+
+def test_the_levels_are_read_as_fedfuses_vit_levels():
+    adapted = ModelAdapter(SmallViT, SHAPE).adapt(SmallViT().eval())
+    view, where = fold_norm_levels(adapted)
+    kinds = [TokenEmbedding, TokenEncoder, TokenEncoder, TokenHead]
+    assert [type(level) for level in view.levels] == kinds
+    assert [view.level_name(i) for i in view.neuron_levels] == [
+        "0:conv_proj",
+        "1:encoder.layers.encoder_layer_0",
+        "2:encoder.layers.encoder_layer_1",
+        "3:heads.head",
+    ]
+    assert sorted(set(where.values())) == [0, 1, 2, 3]
+    assert [view.is_residual(i) for i in view.neuron_levels] == [False, True, True, False]
+    assert view.spec.widths == (32, 32, 32)
+    names = [[p.name for p in linear_pieces(level)] for level in view.levels]
+    assert names[1] == ["q+k", "v+out", "out", "fc1", "fc2"]  # fedfuse's own ViT block's
+    x = torch.randn(3, *SHAPE)
+    with torch.no_grad():
+        assert torch.equal(view.eval()(x), adapted.eval()(x))
+
+
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_fusing_identical_copies_gives_the_model_back(sites, fusion_set, method):
+    model = sites[0]
+    copy = SmallViT()
+    copy.load_state_dict(model.state_dict())
+    data = fusion_set[0]
+    fused = make_fusion_method(method, use_scores=False).fuse(
+        [model, copy.eval()], FusionInputs(data)
+    )
+    assert type(fused.model) is SmallViT
+    with torch.no_grad():
+        expected, got = model(data), fused.model.eval()(data)
+    assert torch.allclose(got, expected, atol=1e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["kf-linear", "hf-linear"])
+def test_two_sites_fuse_into_the_users_class_better_than_averaging(sites, fusion_set, method):
+    data, labels = fusion_set
+    inputs = FusionInputs(data, labels=labels)
+    fused = make_fusion_method(method).fuse(sites, inputs).model
+    fresh = SmallViT()
+    fresh.load_state_dict(fused.state_dict())  # strict: the user's names and shapes
+    averaged = make_fusion_method("vanilla").fuse(sites, inputs).model
+    with torch.no_grad():
+        logits = fresh.eval()(data)
+        loss = nn.functional.cross_entropy(logits, labels)
+        average_loss = nn.functional.cross_entropy(averaged.eval()(data), labels)
+        site_losses = [nn.functional.cross_entropy(s(data), labels) for s in sites]
+    assert torch.isfinite(logits).all()
+    assert max(site_losses) < 0.6 * average_loss  # the sites disagree: averaging hurts
+    assert loss < 0.6 * average_loss  # 0.04 (kf and hf) against 0.46
+
+
+def test_torchvisions_own_vit_is_taken_by_the_linear_variants():
+    def build():
+        return VisionTransformer(28, 7, 2, 2, 32, 64, num_classes=10)
+
+    adapter = ModelAdapter(build, (3, 28, 28), name="test-torchvision-vit").register()
+    for method in ("kf-linear", "hf-linear"):
+        make_fusion_method(method).check_run(2, adapter.spec)
+
+
+class _Roll(nn.Module):
+    """A custom op on the MLP's hidden channels: no permutation of them keeps the function."""
+
+    def forward(self, x):
+        return x.roll(1, -1)
+
+
+class _RolledViT(SmallViT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder.layers[1].mlp[1] = _Roll()
+
+
+class _PreLogitsViT(VisionTransformer):
+    """torchvision's ViT with a representation layer (Linear, Tanh) before the classifier."""
+
+    def __init__(self) -> None:
+        super().__init__(28, 7, 1, 2, 32, 64, num_classes=CLASSES, representation_size=16)
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "expected"),
+    [
+        (_RolledViT, SHAPE, r"level 8:encoder\.layers\.encoder_layer_1 is no MLP .*'roll'"),
+        (_PreLogitsViT, (3, 28, 28), r"level 7:encoder_ln is no ViT head .*'heads_act', Tanh"),
+    ],
+)
+def test_a_part_no_piece_reads_is_refused_naming_the_level_and_the_op(model, shape, expected):
+    spec = ModelAdapter(model, shape).register().spec
+    for method in ("kf-linear", "hf-linear"):
+        with pytest.raises(ValueError, match=expected) as error:
+            make_fusion_method(method).check_run(2, spec)
+        assert "\n" not in str(error.value)
