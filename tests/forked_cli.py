@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _serve() -> None:
-    """The server's loop: fork a child per request, reply with its exit status."""
+    """The server's loop: fork a child per request, reply with its exit status and peak memory."""
     import resource
     import traceback
 
@@ -67,9 +67,23 @@ def _serve() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        _, wait_status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(wait_status)}) + "\n")
+        _, wait_status, usage = os.wait4(pid, 0)
+        reply = {
+            "returncode": os.waitstatus_to_exitcode(wait_status),
+            "peak_bytes": usage.ru_maxrss * 1024,  # the child's peak resident set (Linux: KiB)
+        }
+        replies.write(json.dumps(reply) + "\n")
         replies.flush()
+
+
+class Outcome(subprocess.CompletedProcess):
+    """A forked command's exit status and output, and ``peak_bytes``: the most memory it held
+    resident at once (its ``ru_maxrss``, counting the pages it shares with the server, so a
+    command's cost is its peak less that of an idle command, :meth:`ForkedCli.baseline`)."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, peak: int):
+        super().__init__(args, returncode, stdout, stderr)
+        self.peak_bytes = peak
 
 
 class ForkedCli:
@@ -77,6 +91,7 @@ class ForkedCli:
 
     def __init__(self) -> None:
         self._server: subprocess.Popen | None = None
+        self._baselines: dict[str, int] = {}
 
     def _started(self) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
@@ -90,11 +105,9 @@ class ForkedCli:
             atexit.register(self._server.kill)
         return self._server
 
-    def run(
-        self, argv: list[str], *, cwd: Path, timeout: float, address_space: int
-    ) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], *, cwd: Path, timeout: float, address_space: int) -> Outcome:
         """``fedfuse <argv>`` in a forked process limited to ``address_space`` bytes and
-        ``timeout`` seconds (SIGALRM ends it: status -14); its exit status and output."""
+        ``timeout`` seconds (SIGALRM ends it: status -14); its exit status, output and peak."""
         server = self._started()
         with tempfile.TemporaryDirectory() as folder:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
@@ -112,10 +125,22 @@ class ForkedCli:
             reply = server.stdout.readline()
             if not reply:
                 raise RuntimeError(f"the forked-CLI server ended (status {server.wait()})")
-            returncode = json.loads(reply)["returncode"]
-            return subprocess.CompletedProcess(
-                ["fedfuse", *argv], returncode, out.read_text(), err.read_text()
+            answer = json.loads(reply)
+            return Outcome(
+                ["fedfuse", *argv],
+                answer["returncode"],
+                out.read_text(errors="backslashreplace"),
+                err.read_text(errors="backslashreplace"),
+                answer["peak_bytes"],
             )
+
+    def baseline(self, command: str) -> int:
+        """The peak memory of ``fedfuse <command> --help`` (the server's pages and the command's
+        imports, nothing of its work): what a command's own peak is measured from."""
+        if command not in self._baselines:
+            idle = self.run([command, "--help"], cwd=REPO, timeout=60, address_space=8 << 30)
+            self._baselines[command] = idle.peak_bytes
+        return self._baselines[command]
 
 
 if __name__ == "__main__":

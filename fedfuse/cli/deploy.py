@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------- CLI
 def _fail(command: str, error: Exception) -> int:
-    print(f"fedfuse {command}: error: {error}", file=sys.stderr)
+    from fedfuse.cli.main import one_line
+
+    print(f"fedfuse {command}: error: {one_line(error)}", file=sys.stderr)
     return 2
 
 

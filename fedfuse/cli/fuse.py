@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedfuse.io.atomic import json_safe
+from fedfuse.io.atomic import json_safe, refuse_overwriting_inputs
 from fedfuse.settings.bounds import (
     DEFAULT_MAX_FUSED_PARAMETERS,
     Range,
@@ -153,8 +153,7 @@ def fuse_command(args: argparse.Namespace) -> int:
     ]
     if run_dir is not None:  # the run's uploads are inputs too
         inputs += sorted((run_dir / "clients").glob("*.safetensors"))
-    if output.exists() and any(p.is_file() and output.samefile(p) for p in inputs):
-        raise ValueError(f"--output {output} is one of the inputs; it would be overwritten")
+    refuse_overwriting_inputs(output, inputs, "--output")
 
     if run_dir is not None:
         pool, store, settings = run_pool(run_dir)

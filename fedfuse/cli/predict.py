@@ -8,13 +8,23 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.cli.deploy import add_max_bytes_argument, parse_floats
-from fedfuse.io.atomic import atomic_path
+from fedfuse.io.atomic import atomic_path, refuse_overwriting_inputs
 from fedfuse.io.text import terminal_safe
 
 
 def predict_command(args: argparse.Namespace) -> int:
+    from fedfuse.data.image_folder import IMAGE_SUFFIXES
     from fedfuse.deploy.predict import predict_files
 
+    if args.out is not None:  # before reading anything: never replace what it classifies
+        out, images = Path(args.out).expanduser(), Path(args.images).expanduser()
+        refuse_overwriting_inputs(out, [args.checkpoint, images], "--out")
+        if (
+            images.is_dir()
+            and out.suffix.lower() in IMAGE_SUFFIXES
+            and out.resolve().is_relative_to(images.resolve())
+        ):
+            raise ValueError(f"--out {out} is an image in the folder it classifies")
     predictions = predict_files(
         args.checkpoint,
         args.images,

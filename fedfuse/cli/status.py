@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fedfuse.io.limits import format_bytes
+from fedfuse.io.jsontext import MAX_JSON_BYTES, read_json_file
 from fedfuse.io.text import terminal_safe
 
 #: exit code of each run status (a script tests ``fedfuse status`` like any command)
@@ -28,8 +28,9 @@ def results_file(path: str | Path) -> Path:
     raise FileNotFoundError(f"{path}: no results.json here (give a run folder or an output folder)")
 
 
-#: the largest results.json read (a 100-site run writes well under 1 MiB)
-MAX_RESULTS_BYTES = 64 << 20
+#: the largest results.json read (a 100-site run writes well under 1 MiB; the JSON parse of
+#: a file this size stays under half a GB whatever it holds, :mod:`fedfuse.io.jsontext`)
+MAX_RESULTS_BYTES = MAX_JSON_BYTES
 
 
 def describe(report: dict[str, Any]) -> list[str]:
@@ -76,16 +77,7 @@ def _list_of_objects(report: dict[str, Any], key: str) -> list[dict[str, Any]]:
 
 def status_command(args: argparse.Namespace) -> int:
     path = results_file(args.run)
-    size = path.stat().st_size
-    if size > MAX_RESULTS_BYTES:
-        raise ValueError(
-            f"{path}: {format_bytes(size)}, larger than any run's results "
-            f"({format_bytes(MAX_RESULTS_BYTES)} at most); not reading it"
-        )
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path}: not a readable results file ({error})") from None
+    report = read_json_file(path, what="run's results", max_bytes=MAX_RESULTS_BYTES)
     if not isinstance(report, dict):
         raise ValueError(f"{path}: not a results file (no JSON object)")
     try:

@@ -82,8 +82,10 @@ def input_recipe(
     if len(shape) != 3:
         raise ValueError(f"{source}: the model takes inputs of shape {shape}, not images")
     recorded = meta.get("normalisation") or {}
-    mean = tuple(mean) if mean is not None else recorded.get("mean")
-    std = tuple(std) if std is not None else recorded.get("std")
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{source}: 'normalisation' is not an object with 'mean' and 'std'")
+    mean = tuple(mean) if mean is not None else _numbers(recorded.get("mean"), source, "mean")
+    std = tuple(std) if std is not None else _numbers(recorded.get("std"), source, "std")
     if mean is None or std is None:
         raise ValueError(
             f"{source}: records no normalisation (it was not written by a fedfuse run that "
@@ -99,6 +101,10 @@ def input_recipe(
         )
     names = meta.get("class_names")
     num_classes = checkpoint.model.spec.num_classes
+    if names is not None and (
+        not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+    ):
+        raise ValueError(f"{source}: 'class_names' is not a list of names")
     if not names or len(names) != num_classes:
         names = [str(i) for i in range(num_classes)]
     return InputRecipe(
@@ -107,6 +113,17 @@ def input_recipe(
         std=tuple(float(s) for s in std),
         class_names=tuple(str(n) for n in names),
     )
+
+
+def _numbers(value: object, source: str, key: str) -> tuple[float, ...] | None:
+    """A recorded normalisation's ``key``: a list of numbers (None when not recorded)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"{source}: normalisation {key!r} is not a list of numbers")
+    return tuple(value)
 
 
 def read_inputs(
@@ -132,6 +149,9 @@ def read_inputs(
         with NpzReader(source, max_bytes=max_bytes) as reader:
             if "images" not in reader.files:
                 raise ValueError(f"{source}: has no 'images' array (keys {reader.files})")
+            found = reader.header("images").dtype
+            if found != np.uint8:  # pixels 0..255, as site data files hold them
+                raise ValueError(f"{source}: 'images' must be uint8, found {found}")
             images = to_nchw(reader.read("images"), source)
         _warn_resized(source, Counter({images.shape[2:]: len(images)}), shape)
         images = resize_images(images, shape, str(source), max_bytes=max_bytes)

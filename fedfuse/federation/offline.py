@@ -10,7 +10,6 @@ checkpoint that records how it was made.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +33,7 @@ from fedfuse.fusion import (
 )
 from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
 from fedfuse.io.checkpoint import Checkpoint, load_checkpoint
+from fedfuse.io.jsontext import read_json_file
 from fedfuse.io.validation import as_count
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.importance import Scores
@@ -395,10 +395,10 @@ def run_pool(run_dir: str | Path) -> tuple[FusionPool, UploadStore, dict[str, An
     settings = None
     results = run_dir / "results.json"
     if results.is_file():
-        try:
-            settings = json.loads(results.read_text()).get("settings")
-        except (json.JSONDecodeError, RecursionError, AttributeError):
-            raise ValueError(f"{results}: not a readable results file") from None
+        report = read_json_file(results, what="run's results")
+        if not isinstance(report, dict):
+            raise ValueError(f"{results}: not a readable results file (no JSON object)")
+        settings = report.get("settings")
     assert store.expected_spec is not None
     pool = FusionPool(
         models=store.models(),
@@ -440,7 +440,7 @@ def run_provenance(
 
     results = Path(run_dir) / "results.json"
     try:
-        report = json.loads(results.read_text())
+        report = read_json_file(results, what="run's results")
         settings = RunSettings.from_config(report["settings"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError, AttributeError):
         return {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,20 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def refuse_overwriting_inputs(
+    output: str | Path, inputs: Iterable[str | Path], option: str
+) -> None:
+    """A ``ValueError`` when ``output`` is (a link to, or another name of) one of the files a
+    command reads, ``inputs``: writing it would replace what it was made from."""
+    output = Path(output).expanduser()
+    if not output.exists():
+        return
+    for source in inputs:
+        source = Path(source).expanduser()
+        if source.is_file() and output.samefile(source):
+            raise ValueError(f"{option} {output} is one of the inputs; it would be overwritten")
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> Path:

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fedfuse.io.atomic import atomic_path
+from fedfuse.io.jsontext import parse_json
 from fedfuse.io.validation import (
     ContributionError,
     model_from_state,
@@ -199,12 +200,10 @@ def _parse_header(path: Path, header: dict[str, str]) -> dict[str, Any]:
     """The fedfuse JSON document of a safetensors header, or a CheckpointError naming ``path``."""
     if _METADATA_KEY not in header:
         raise CheckpointError(f"{path}: no fedfuse metadata in the safetensors header")
-    try:
-        document = json.loads(header[_METADATA_KEY])
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{path}: fedfuse metadata is not valid JSON ({error})") from error
-    except RecursionError:
-        raise CheckpointError(f"{path}: fedfuse metadata is nested too deeply") from None
+    try:  # bounded: a header's JSON of {},{},... would parse to gigabytes of objects
+        document = parse_json(header[_METADATA_KEY], str(path), what="fedfuse metadata")
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise CheckpointError(
