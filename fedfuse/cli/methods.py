@@ -105,7 +105,8 @@ def methods_command(args: argparse.Namespace) -> int:
         f"({PLAIN_CHAIN}: your own model, a chain of Linear/Conv2d layers; {PLAIN_RESIDUAL}: "
         "your own model with residual adds and BatchNorm, e.g. torchvision's resnet18 (kf-linear "
         "and hf-linear fit its convs with their BatchNorms and its residual blocks in closed "
-        "form); why a method refuses an architecture: fedfuse methods --json)"
+        "form, and torchvision's VisionTransformer as fedfuse's vit); why a method refuses an "
+        "architecture: fedfuse methods --json)"
     )
     return 0
 
