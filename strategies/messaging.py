@@ -110,6 +110,7 @@ def stream_replies(
             if sent is None:
                 continue
             node = sent.metadata.dst_node_id
+            reply = _from_destination(reply, sent)
             lost = lost_worker(reply)
             if lost and copies_out(node):
                 continue  # its other copy may still reach a live worker
@@ -138,6 +139,18 @@ def stream_replies(
     never_sent = [msg.metadata.dst_node_id for msg in [*reversed(queue), *held]]
     out = sorted({msg.metadata.dst_node_id for msg in pending.values()})
     return out + unsent + [node for node in dict.fromkeys(never_sent) if node not in out]
+
+
+def _from_destination(reply: Message, sent: Message) -> Message:
+    """``reply``, as from the node ``sent`` went to. The SuperLink answers for a node that
+    stopped sending heartbeats (its SuperNode died) with an error reply from itself (node
+    ``SUPERLINK_NODE_ID``): that error is the destination's answer, so that the site is named
+    by its own node, as it named itself earlier, rather than as an unknown node 1."""
+    if reply.metadata.src_node_id == sent.metadata.dst_node_id or not reply.has_error():
+        return reply
+    answer = Message(reply.error, reply_to=sent)
+    answer.metadata.__dict__["_reply_to_message_id"] = reply.metadata.reply_to_message_id
+    return answer
 
 
 def _again(sent: Message) -> Message:

@@ -14,6 +14,7 @@ from collections.abc import Collection
 from typing import Any
 
 from flwr.app import ConfigRecord, Message
+from flwr.common.constant import ErrorCode
 
 from fedfuse.clients.records import (
     EXTRAS_KEY,
@@ -123,9 +124,12 @@ def decode_reply(
     the site named itself earlier, for a reply that says nothing (:func:`describe_sender`)."""
     source = describe_sender(msg, known)
     if msg.has_error():
-        raise SiteDidNotUpload(
-            f"{source}: the client failed: {short_reason(msg.error.reason)}", "failed"
+        what = (
+            "its SuperNode went offline"
+            if msg.error.code == ErrorCode.NODE_UNAVAILABLE
+            else "the client failed"
         )
+        raise SiteDidNotUpload(f"{source}: {what}: {short_reason(msg.error.reason)}", "failed")
     answer = site_answer(msg)
     if answer is not None:
         raise answer

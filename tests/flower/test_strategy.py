@@ -291,3 +291,40 @@ def test_a_lone_message_whose_worker_was_lost_goes_twice_and_the_live_answer_cou
     replies, silent = _drain(stream_replies(grid, [message], 10, poll_interval=0))
     assert silent == [] and grid.pushed == [7, 7, 7]
     assert len(replies) == 1 and not replies[0].has_error()
+
+
+class _OfflineGrid(_WindowGrid):
+    """Like :class:`_WindowGrid`, but the SuperLink answers for the ``offline`` nodes (their
+    SuperNode died): Flower's own error reply, from the SuperLink's node."""
+
+    def __init__(self, offline):
+        super().__init__()
+        self.offline = set(offline)
+
+    def pull_messages(self, message_ids):
+        from flwr.server.superlink.linkstate.utils import (
+            create_message_error_unavailable_res_message,
+        )
+
+        replies = []
+        for mid in list(message_ids):
+            msg = self.outstanding.get(mid)
+            if msg is not None and msg.metadata.dst_node_id in self.offline:
+                del self.outstanding[mid]
+                msg.metadata.__dict__["_message_id"] = mid
+                replies.append(create_message_error_unavailable_res_message(msg.metadata, ""))
+        return replies + super().pull_messages(list(self.outstanding))
+
+
+def test_the_superlinks_answer_for_a_dead_supernode_is_that_nodes_answer():
+    messages = [
+        Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+        for node in (11, 12)
+    ]
+    replies, silent = _drain(stream_replies(_OfflineGrid({12}), messages, 10, poll_interval=0))
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    assert silent == [] and sorted(by_node) == [11, 12]  # not the SuperLink's node 1
+    assert by_node[12].error.code == ErrorCode.NODE_UNAVAILABLE
+    assert by_node[12].metadata.reply_to_message_id == "m12"
+    with pytest.raises(ContributionError, match="^hospital-2 .*: its SuperNode went offline: "):
+        decode_reply(by_node[12], None, require_scores=True, known="hospital-2 (client 2)")
