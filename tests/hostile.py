@@ -6,8 +6,8 @@ space and time limit. :func:`check_case` then holds it to issue 50's rules:
 
 - it fails (exit status not 0, not killed by its time limit), unless the case documents that
   succeeding is right;
-- stderr ends in one line, ``fedfuse <command>: error: ...``, naming what the case names (the
-  file, key or option); no traceback;
+- stderr ends in one line, ``fedfuse <command>[ <sub-command>]: error: ...``, naming what the
+  case names (the file, key or option); no traceback;
 - nothing printed holds a control character (escape sequences from file names or contents are
   shown escaped, never obeyed);
 - its peak resident memory is under 1 GiB above that of the same command's ``--help`` (the
@@ -121,7 +121,7 @@ def check_case(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines, report
     last = lines[-1]
-    assert last.startswith(f"fedfuse {command}: error: "), report
+    assert last.startswith(f"fedfuse {command}") and ": error: " in last, report
     for text in case.named:
         assert text.format(tmp=folder) in last, (text, report)
 

@@ -20,6 +20,7 @@ from fedfuse.deploy.credentials import (
     make_server_certificates,
     make_supernode_keys,
 )
+from fedfuse.io.atomic import refuse_overwriting_inputs
 from fedfuse.io.limits import DEFAULT_MAX_BYTES, DEFAULT_MAX_CLASSES, DEFAULT_MAX_SIDE, format_bytes
 from fedfuse.settings.bounds import Range
 
@@ -165,6 +166,8 @@ def site_data_command(args: argparse.Namespace) -> int:
                 raise ValueError(f"{out}: the site data file must end in .npz")
             if out.exists() and not args.force:
                 raise FileExistsError(f"{out}: exists; refusing to overwrite it (use --force)")
+            sources = [args.images, args.labels] if args.source == "arrays" else [args.path]
+            refuse_overwriting_inputs(out, sources, "--out")  # even with --force
             stats = {"mean": parse_floats(args.mean), "std": parse_floats(args.std)}
             shape = (
                 parse_shape(args.shape, max_side=args.max_side, name="--shape")

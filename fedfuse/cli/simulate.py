@@ -76,6 +76,21 @@ def _run_finished(results: Path, started: datetime) -> bool:
     return begun >= started and report.get("status") in ("ok", "partial", "failed", "stopped")
 
 
+def parse_run_config(text: str) -> dict[str, Any]:
+    """``--run-config``'s ``key=value`` pairs (TOML values), as Flower parses them; a
+    ValueError quoting the text (escaped) when they do not parse (Flower's own error names
+    neither the text nor the key)."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args
+
+    if not text.strip():
+        return {}
+    try:
+        return parse_config_args([text])
+    except ClickException as error:
+        raise ValueError(f"--run-config {text!r:.300}: {error.message}") from None
+
+
 def simulation_run_config(
     overrides: str,
     output_dir: Path | None,
@@ -90,9 +105,7 @@ def simulation_run_config(
     site) and ``max-in-flight`` (four train messages per Ray worker at a time; ``workers``
     sites run at once, by default as many as this machine's cores hold), each only where the
     app declares that key."""
-    from flwr.common.config import parse_config_args
-
-    config = parse_config_args([overrides]) if overrides.strip() else {}
+    config = parse_run_config(overrides)
     keys = None if app_keys is None else set(app_keys)
     # a few messages per Ray worker at a time: Flower's simulation engine rescans every waiting
     # message for every node ten times a second, which at 1000 sites starves the workers
@@ -181,6 +194,7 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
     ``num_clients`` sites of the run's architecture, and requested fused widths must fit the
     sites' model and the size limit."""
     from fedfuse.data import DatasetNotFoundError
+    from fedfuse.data.arrays import check_npz_headers
     from fedfuse.federation.provenance import DATA_FILE_KEYS
     from fedfuse.federation.scenario import Scenario
     from fedfuse.settings.run import RunSettings
@@ -193,6 +207,8 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
         path = str(settings.to_config().get(key) or "")
         if path and not Path(path).expanduser().is_file():
             raise FileNotFoundError(f"run config {key}='{path}': no such file")
+        if path:  # its headers, labels and classes (a forged test set failed inside Flower)
+            check_npz_headers(Path(path).expanduser())
     try:  # the sites' spec needs the data's shape (and the server's data, which it checks)
         scenario = Scenario(settings, num_clients)
         spec = scenario.model_spec()
@@ -220,8 +236,6 @@ def check_simulation(config: dict[str, Any], num_clients: int) -> None:
 def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, int]:
     """The run config that Hydra ``overrides`` describe, plus the Flower-only ``extra`` keys
     (a key set on both sides is an error), and the number of sites (``sites=``)."""
-    from flwr.common.config import parse_config_args
-
     from fedfuse.settings.hydra import (
         FLOWER_ONLY_KEYS,
         compose,
@@ -233,7 +247,7 @@ def _run_config_from_overrides(overrides: list[str], extra: str) -> tuple[str, i
     cfg = compose(validate_overrides(overrides))
     settings = settings_from_config(cfg)
     from_hydra = {k: v for k, v in settings.to_config().items() if k not in FLOWER_ONLY_KEYS}
-    given = parse_config_args([extra]) if extra.strip() else {}
+    given = parse_run_config(extra)
     both = sorted(set(given) & set(from_hydra))
     if both:
         raise ValueError(

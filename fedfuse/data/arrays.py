@@ -360,6 +360,15 @@ def _site_reader(path: str | Path, max_bytes: int) -> NpzReader:
         raise DataFormatError(f"{path}: not a readable .npz site data file {reason}") from None
 
 
+def check_npz_headers(
+    path: str | Path, *, max_classes: int = DEFAULT_MAX_CLASSES, max_bytes: int = DEFAULT_MAX_BYTES
+) -> None:
+    """Every check of :func:`load_npz_dataset` short of reading the images (a few kB read): the
+    keys, every header against what the file holds, the labels, classes and statistics."""
+    with _site_reader(path, max_bytes) as reader:
+        _open_site_file(reader, max_classes)
+
+
 def load_npz_dataset(
     path: str | Path,
     *,

@@ -17,6 +17,7 @@ refused at the header (nothing is unpickled), and so is any one array of more th
 
 from __future__ import annotations
 
+import io
 import math
 import zipfile
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ __all__ = [
 _DEFLATE_RATIO = 1032
 _CHUNK_BYTES = 16 << 20
 _ZIP_MAGIC = b"PK\x03\x04"
+#: numpy's own bound on an .npy header (``max_header_size``): a dict of a few fields
+_MAX_HEADER_BYTES = 10_000
+#: how numpy writes .npz members; bzip2 and LZMA expand far beyond deflate's ~1032:1
+_COMPRESSIONS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated"}
 _READ_ERRORS = (OSError, ValueError, zipfile.BadZipFile, EOFError)
 _PICKLES = "it holds Python objects (pickles are refused)"
 
@@ -73,12 +78,18 @@ def _read_header(handle: IO[bytes], where: str) -> ArrayHeader:
     """The header at ``handle``'s position; refuses object arrays before any data is read."""
     try:
         version = np.lib.format.read_magic(handle)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
-        else:
+        if version not in ((1, 0), (2, 0)):
             raise ValueError(f"unsupported .npy format version {version}")
+        # the header's length, bounded before it is read (a 4-byte one may claim 4 GiB)
+        size_bytes = handle.read(2 if version == (1, 0) else 4)
+        length = int.from_bytes(size_bytes, "little")
+        if length > _MAX_HEADER_BYTES:
+            raise ValueError(f"header of {length} bytes; at most {_MAX_HEADER_BYTES}")
+        header = io.BytesIO(size_bytes + handle.read(length))
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(header)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(header)
     except _READ_ERRORS as error:
         raise DataFormatError(f"{where}: not a valid .npy header ({error})") from None
     if dtype.hasobject:
@@ -168,11 +179,25 @@ class NpzReader:
         if magic != _ZIP_MAGIC:  # zipfile also accepts a zip appended to other bytes
             self._zip.close()
             raise DataFormatError(f"{self.path}: not a readable .npz archive (no zip signature)")
-        self._members = {
-            info.filename.removesuffix(".npy"): info
-            for info in self._zip.infolist()
-            if not info.is_dir()
-        }
+        members = [info for info in self._zip.infolist() if not info.is_dir()]
+        self._members = {info.filename.removesuffix(".npy"): info for info in members}
+        problem = None
+        if len(self._members) < len(members):  # tools differ on which of two copies is read
+            names = [info.filename for info in members]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            problem = f"holds {twice} more than once (which copy counts is ambiguous)"
+        for info in members:
+            if info.compress_type not in _COMPRESSIONS:
+                kind = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}.get(
+                    info.compress_type, f"method {info.compress_type}"
+                )
+                problem = (
+                    f"member {info.filename!r} is compressed with {kind}; numpy writes "
+                    "stored or deflated members only"
+                )
+        if problem is not None:
+            self._zip.close()
+            raise DataFormatError(f"{self.path}: {problem}")
 
     def __enter__(self) -> NpzReader:
         return self

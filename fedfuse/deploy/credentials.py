@@ -52,7 +52,9 @@ __all__ = [
 #: to it on 127.0.0.1, even when the SuperLink listens on a public address.
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _CURVE = ec.SECP384R1
-_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: Longest validity of a certificate: a century (a larger count overflows the clock's dates)
+MAX_DAYS = 36_500
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: "site\n" is no name
 
 
 # ------------------------------------------------------------------------------ file writing
@@ -132,6 +134,10 @@ def _general_name(name: str) -> x509.GeneralName:
         )
     if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", name):
         raise ValueError(f"host {name!r} is neither an IP address nor a DNS name")
+    if len(name) > 253 or any(not 1 <= len(label) <= 63 for label in name.split(".")):
+        raise ValueError(
+            f"host {name!r:.80}: a DNS name has at most 253 characters, in labels of 1 to 63"
+        )
     return x509.DNSName(name.lower())
 
 
@@ -193,8 +199,11 @@ def make_server_certificates(
     names = list(dict.fromkeys([*hosts, *(LOOPBACK_NAMES if loopback else ())]))
     if not names:
         raise ValueError("give at least one host name or IP address for the server certificate")
-    if days < 1 or ca_days < 1:
-        raise ValueError(f"validity must be >= 1 day, got days={days}, ca_days={ca_days}")
+    if not (1 <= days <= MAX_DAYS and 1 <= ca_days <= MAX_DAYS):
+        raise ValueError(
+            f"validity must be 1 to {MAX_DAYS} days, got days={days}, ca_days={ca_days} "
+            "(options --days, --ca-days)"
+        )
     general_names = [_general_name(n) for n in names]
     ca_cert_path, ca_key_path = directory / "ca.crt", directory / "ca.key"
     cert_path, key_path = directory / "server.pem", directory / "server.key"
@@ -220,10 +229,11 @@ def make_server_certificates(
         log.info("reusing the CA in %s", ca_cert_path)
     now = dt.datetime.now(dt.UTC)
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    subject = names[0] if len(names[0]) <= 64 else common_name  # X.509 caps a CN at 64
     key = ec.generate_private_key(_CURVE())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -272,7 +282,7 @@ def make_supernode_keys(
     if not names:
         raise ValueError("give at least one site name")
     for name in names:
-        if not _NAME_PATTERN.match(name):
+        if not _NAME_PATTERN.fullmatch(name):
             raise ValueError(f"site name {name!r}: use letters, digits, '.', '_' or '-'")
     if len(set(names)) != len(names):
         raise ValueError(f"site names {list(names)} repeat a name")
