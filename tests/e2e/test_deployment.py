@@ -1,10 +1,12 @@
-"""End to end: a real deployment on 127.0.0.1 refuses SuperNodes it does not know.
+"""End to end: a real deployment on 127.0.0.1 refuses SuperNodes it does not know, and a run
+that loses a site's SuperNode mid-run ends ``partial``, naming that site.
 
 Flower's own ``flower-superlink`` (TLS with certificates from ``fedfuse certs``, SuperNode
-authentication on), ``flwr supernode register`` and ``flower-supernode`` processes with keys
-from ``fedfuse keys``, one of them unregistered and one without a key. Every process is started
-in its own session and stopped, with everything it spawned, at the end. The guide's whole
-deployment (two sites, one run) is tests/e2e/test_deployment_guide.py.
+authentication on), ``flwr supernode register``, ``flwr run`` and ``flower-supernode``
+processes with keys from ``fedfuse keys``: three registered sites, one unregistered SuperNode
+and one without a key, in one deployment (one SuperLink start, one run). Every process is
+started in its own session and stopped, with everything it spawned, at the end. The guide's
+whole deployment (two sites, one run) is tests/e2e/test_deployment_guide.py.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from fedfuse.data import load_dataset, save_npz_dataset
+from fedfuse.io.checkpoint import load_checkpoint
+from tests.fakes import hospital_files
 from tests.helpers import descendants, free_port, patience
 
 pytestmark = pytest.mark.e2e
@@ -172,9 +177,25 @@ class Deployment:
         ).stdout
         return int(json.loads(out[out.index("{") :])["node-id"])
 
-    def start_supernode(self, name: str, port: int, key: Path | None, node_config: str):
+    def start_supernode(
+        self, name: str, port: int, key: Path | None, node_config: str, heartbeat: int = 0
+    ):
+        """``flower-supernode`` for the SuperLink at ``port``. With ``heartbeat``, its node
+        heartbeat to the SuperLink comes every ``heartbeat`` seconds (at least Flower's minimum
+        of 10) instead of Flower's fixed 30, so that the SuperLink declares it offline 2
+        intervals after it dies: 20 s rather than 60. Only the node's heartbeat: the SuperNode's
+        own timeouts for its ClientApp processes stay Flower's."""
+        launcher = [str(BIN / "flower-supernode")]
+        if heartbeat:
+            launcher = [
+                sys.executable,
+                "-c",
+                "import sys, flwr.supercore.heartbeat as h, flwr.supernode.fleet_http_connection "
+                f"as f; h.HEARTBEAT_DEFAULT_INTERVAL = f.HEARTBEAT_DEFAULT_INTERVAL = {heartbeat}; "
+                "from flwr.supernode.cli import flower_supernode; sys.exit(flower_supernode())",
+            ]
         argv = [
-            str(BIN / "flower-supernode"),
+            *launcher,
             "--superlink", f"127.0.0.1:{port}",
             "--root-certificates", str(self.root / "certs" / "ca.crt"),
             "--node-config", node_config,
@@ -196,17 +217,68 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
     assert not leftover, f"processes still running: {[p.args[0] for p in leftover]}"
 
 
-def test_an_unregistered_supernode_is_refused(deployment: Deployment, tmp_path: Path):
+def _app_copy(folder: Path) -> Path:
+    """The checkout's tracked files, copied: the app ``flwr run`` packs is the same, and Flower
+    does not walk the checkout's ``.venv`` (50,000 files, 10-15 s of every ``flwr run .``)."""
+    tracked = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True
+    ).stdout.decode()
+    for name in filter(None, tracked.split("\0")):
+        if (REPO / name).is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(REPO / name, folder / name)
+    return folder
+
+
+def _wait_for(deployment: Deployment, what: str, found, seconds: float):
+    """``found()``'s value once it is truthy; fails, with every process's log, after
+    ``seconds``."""
+    deadline = time.monotonic() + patience(seconds)
+    while not (value := found()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {seconds:.0f} s\n{deployment.report()}")
+        time.sleep(0.2)
+    return value
+
+
+def _logged(deployment: Deployment, name: str, text: str) -> bool:
+    log = deployment.logs[name]
+    return log.exists() and text in log.read_text(errors="replace")
+
+
+def _finished(results: Path) -> dict | None:
+    """The run's report once it has ended, else None."""
+    with contextlib.suppress(OSError, ValueError):
+        report = json.loads(results.read_text())
+        if report.get("status") != "running":
+            return report
+    return None
+
+
+def test_unknown_supernodes_are_refused_and_a_site_killed_mid_run_is_named(
+    deployment: Deployment, tmp_path: Path
+):
+    """Three registered sites, an unregistered SuperNode and one without a key. The two
+    unknown ones are refused. Then a run starts, and the third site's SuperNode is killed
+    (SIGKILL, with the ClientApp it started: the site's machine dies) the moment it has the
+    train message. The SuperLink declares it offline after two missed heartbeats; the run goes
+    on without it and ends ``partial`` (docs/deployment.md section 10): the two uploads are
+    kept and fused, and ``fedfuse status`` names the lost site by its site-name and its real
+    node id."""
     port = deployment.start_superlink()
     keys = tmp_path / "keys"
-    deployment.fedfuse("keys", "--out", str(keys), "site-0", "intruder")
-    deployment.register(keys / "site-0.pub")
-    site = save_npz_dataset(
-        tmp_path / "site.npz", load_dataset("digits", "train").subset(range(50))
-    )
-    config = f"partition-id=0 data-path='{site}'"
+    names = [f"hospital-{i}" for i in range(3)]
+    deployment.fedfuse("keys", "--out", str(keys), *names, "intruder")
+    with ThreadPoolExecutor(len(names)) as pool:  # each `flwr` command takes seconds to start
+        node_ids = list(pool.map(lambda name: deployment.register(keys / f"{name}.pub"), names))
+    files = hospital_files(tmp_path, 3, test_samples=100)
+    for i, name in enumerate(names):
+        config = f"partition-id={i} site-name='{name}' data-path='{files[i]}'"
+        deployment.start_supernode(name, port, keys / f"{name}.key", config, heartbeat=10)
+    config = f"partition-id=0 data-path='{files[0]}'"
     intruder = deployment.start_supernode("intruder", port, keys / "intruder.key", config)
     anonymous = deployment.start_supernode("anonymous", port, None, config)
+    app = _app_copy(tmp_path / "app")
     for name, process, reason in (
         ("intruder", intruder, "Failed to activate SuperNode"),
         ("anonymous", anonymous, "All SuperNodes must be registered"),
@@ -215,11 +287,73 @@ def test_an_unregistered_supernode_is_refused(deployment: Deployment, tmp_path: 
             process.wait(timeout=patience(120))
         except subprocess.TimeoutExpired:
             pytest.fail(f"the {name} SuperNode was not refused\n{deployment.report()}")
-        log = deployment.logs[name].read_text()
-        assert process.returncode != 0 and reason in log, deployment.report()
+        assert process.returncode != 0 and _logged(deployment, name, reason), deployment.report()
+    for name in names:
+        _wait_for(
+            deployment,
+            f"{name} connected",
+            lambda n=name: _logged(deployment, n, "SuperNode ID"),
+            120,
+        )
+
+    out = tmp_path / "outputs"
+    run_config = (
+        f"fusion-data='{files['fusion']}' test-data='{files['test']}' output-dir='{out}' "
+        "strategy='kf-linear,fedavg' mlp-widths='16' local-epochs=1 score-samples=32 "
+        "score-steps=4 fusion-samples=40 device='cpu' min-nodes=2"
+    )
+    deployment.run(
+        [str(BIN / "flwr"), "run", str(app), CONNECTION, "--run-config", run_config],
+        timeout=patience(120),
+    )
+    victim = deployment.processes[names[2]]
+    _wait_for(
+        deployment,
+        f"{names[2]} received the train message",
+        lambda: _logged(deployment, names[2], "Receiving: train message"),
+        180,
+    )
+    for pid in [victim.pid, *descendants(victim.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    victim.wait(timeout=10)
+    assert not _logged(deployment, names[2], "Sending: train message")  # it never answered
+
+    report = _wait_for(
+        deployment, "the run ended", lambda: _finished(out / "latest" / "results.json"), 180
+    )
+    assert report["status"] == "partial", report
+    sites = {site["site"]: site for site in report["sites"]}
+    assert sorted(sites) == names, report["sites"]
+    for i, name in enumerate(names[:2]):
+        assert sites[name]["status"] == "uploaded" and sites[name]["node_id"] == node_ids[i]
+        assert (out / "latest" / "clients" / f"client_{i}.safetensors").is_file()
+    lost = sites[names[2]]
+    assert (lost["status"], lost["partition_id"], lost["node_id"]) == ("failed", 2, node_ids[2])
+    assert not (out / "latest" / "clients" / "client_2.safetensors").exists()
+    assert report["fusions"]["kf-linear"]["status"] == "ok", report["fusions"]
+    fused = load_checkpoint(out / "latest" / "fused.safetensors").metadata
+    assert [s["name"] for s in fused["sites"]] == names[:2]
+
+    status = subprocess.run(
+        [sys.executable, "-m", "fedfuse.cli.main", "status", str(out)],
+        env=deployment.env,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+    )
+    assert status.returncode == 3 and status.stdout.startswith("partial\n"), status
+    (line,) = [s for s in status.stdout.splitlines() if s.startswith(f"  site {names[2]} ")]
+    assert line.endswith(
+        f"node {node_ids[2]}  failed: {names[2]} (client 2, node {node_ids[2]}): its SuperNode "
+        "went offline: Error: Node Unavailable — The destination node failed to report a "
+        "heartbeat within 2 × its expected interval."
+    ), status.stdout
     nodes = json.loads(
         deployment.run(
             [str(BIN / "flwr"), "supernode", "ls", CONNECTION, "--format", "json"], 120
         ).stdout
     )
-    assert [n["status"] for n in nodes["nodes"]] == ["registered"], nodes
+    listed = {int(node["node-id"]): node["status"] for node in nodes["nodes"]}
+    # the registered sites only (never the intruder), the killed one offline
+    assert listed == dict(zip(node_ids, ["online", "online", "offline"], strict=True)), nodes
