@@ -9,10 +9,12 @@ labels are given) against an all-zero input baseline.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable
 
 import torch
+from torch import fx
 from tqdm.auto import tqdm
 
 from fedfuse.models.leveled import LeveledModel
@@ -47,7 +49,8 @@ def importance_scores(
     """Score every neuron of the neuron levels of ``model`` on ``inputs``.
 
     Args:
-        model: the model to explain (its ReLUs must be distinct ``nn.ReLU`` modules for DeepLIFT).
+        model: the model to explain (DeepLIFT explains a copy in which a module called more
+            than once, as torchvision's ResNet blocks call one ``ReLU`` twice, is one per call).
         inputs: samples ``(N, ...)``; the clients use their own training data.
         targets: class index per sample whose logit is explained (default: the predicted class).
         method: one of :data:`SCORE_METHODS`.
@@ -72,8 +75,9 @@ def importance_scores(
     if len(inputs) == 0:
         raise ValueError("importance scores need at least one input sample")
 
-    from captum.attr import LayerDeepLift
 
+    if method == "deeplift":
+        model = _one_module_per_call(model)
     compute = resolve_device(device)
     model_device = next(model.parameters()).device
     was_training = model.training
@@ -98,12 +102,7 @@ def importance_scores(
             if method == "conductance":
                 attributions = layer_conductances(model, layers, x, t, n_steps=n_steps)
             else:
-                attributions = [
-                    LayerDeepLift(model, layer).attribute(
-                        x, baselines=torch.zeros_like(x), target=t
-                    )
-                    for layer in layers
-                ]
+                attributions = layer_deeplifts(model, layers, x, t)
             for index, attribution in zip(chosen, attributions, strict=True):
                 # mean |attribution| over spatial positions, summed over the samples of the batch
                 per_sample = attribution.detach().abs()
@@ -117,6 +116,43 @@ def importance_scores(
     finally:
         model.to(model_device)
         model.train(was_training)
+
+
+def _one_module_per_call(model: LeveledModel) -> LeveledModel:
+    """``model`` itself, or a copy of it in which each parameter-free module that a traced
+    level calls again (torchvision's ``BasicBlock`` calls its ``relu`` twice) is a module of its
+    own at every call after the first, held only where it is called, and none works in place:
+    DeepLIFT's hooks keep one input and output per module, and refuse a module run twice."""
+    calls: set[int] = set()
+    repeated = False
+    for level in model.levels:
+        for node in level.graph.nodes if isinstance(level, fx.GraphModule) else ():
+            if node.op == "call_module":
+                module = level.get_submodule(str(node.target))
+                repeated |= id(module) in calls
+                calls.add(id(module))
+    if not repeated and not any(getattr(m, "inplace", False) for m in model.modules()):
+        return model
+    model = copy.deepcopy(model)
+    calls.clear()
+    for level in model.levels:
+        for module in level.modules():
+            if getattr(module, "inplace", False):
+                module.inplace = False
+        if not isinstance(level, fx.GraphModule):
+            continue
+        for node in level.graph.nodes:
+            if node.op != "call_module":
+                continue
+            module = level.get_submodule(str(node.target))
+            if id(module) in calls and next(module.parameters(), None) is None:
+                name = f"{str(node.target).replace('.', '_')}_call_{node.name}"
+                level.add_submodule(name, copy.deepcopy(module))
+                node.target = name
+            calls.add(id(module))
+        level.delete_all_unused_submodules()  # Captum hooks a module once per place it is held
+        level.recompile()
+    return model
 
 
 def layer_conductances(
@@ -154,6 +190,46 @@ def layer_conductances(
         steps = (evaluation[count:] - evaluation[:-count]) * gradient[:-count]
         conductances.append(steps.reshape(n_steps, count, *evaluation.shape[1:]).sum(0))
     return conductances
+
+
+def layer_deeplifts(
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Layer DeepLIFT (Shrikumar et al., 2017; rescale rule, all-zero baseline) of several
+    layers from one forward and one backward pass.
+
+    Captum's ``LayerDeepLift`` runs the inputs and the baselines through the model with its
+    rescale hooks on the nonlinearities, takes the gradient of the target logit with respect to
+    the layer's output and multiplies it by the change of that output from the baseline. The
+    hooked passes do not depend on the layer, so here every layer's gradient comes from the
+    same backward pass (Captum's ``compute_layer_gradients_and_eval`` over a list of layers):
+    the same result (a test compares it with ``LayerDeepLift`` layer by layer) at one pass
+    instead of one per layer, eleven times fewer for a ResNet-18.
+    """
+    from captum._utils.gradient import compute_layer_gradients_and_eval
+    from captum.attr import LayerDeepLift
+
+    hooks = LayerDeepLift(model, layers[0])  # its rescale hooks, as its attribute() sets them
+    registered = []
+    try:
+        registered = hooks._hook_main_model()  # runs inputs and baselines as one batch
+        model.apply(lambda module: hooks._register_hooks(module, attribute_to_layer_input=False))
+        forward = hooks._construct_forward_func(
+            model, ((inputs,), (torch.zeros_like(inputs),)), torch.cat([targets, targets])
+        )
+        gradients, evaluations = compute_layer_gradients_and_eval(
+            forward, layers, (inputs,), output_fn=lambda out: tuple(t.chunk(2) for t in out)
+        )
+    finally:
+        hooks._remove_hooks(registered)
+    # each layer's one output, split into the inputs' half and the baselines' half
+    return [
+        (evaluation[0] - evaluation[1]) * gradient[0]
+        for (gradient,), (evaluation,) in zip(gradients, evaluations, strict=True)
+    ]
 
 
 def normalize_scores(scores: Scores, mode: str = "sum") -> Scores:

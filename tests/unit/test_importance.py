@@ -105,3 +105,59 @@ def test_one_pass_conductance_equals_captum_layer_conductance(tiny_mlp, tiny_vgg
             )
             assert attribution.shape == reference.shape
             assert torch.allclose(attribution, reference, atol=1e-6, rtol=1e-5), level
+
+
+def test_every_level_from_one_pass_equals_layer_deeplift_level_by_level(tiny_vgg):
+    from fedfuse.models.importance import layer_deeplifts
+
+    x = _inputs(5, (3, 32, 32))
+    targets = torch.tensor([0, 1, 2, 0, 1])
+    levels = tiny_vgg.eval().neuron_levels
+    ours = layer_deeplifts(tiny_vgg, [tiny_vgg.levels[i] for i in levels], x, targets)
+    for level, attribution in zip(levels, ours, strict=True):
+        expected = LayerDeepLift(tiny_vgg, tiny_vgg.levels[level]).attribute(
+            x, baselines=torch.zeros_like(x), target=targets
+        )
+        assert torch.allclose(attribution, expected, atol=1e-7), level
+
+
+def test_deeplift_scores_a_model_that_calls_one_relu_twice():
+    """torchvision's ResNet blocks call one in-place ReLU twice (Captum's DeepLIFT refuses a
+    module run twice): the scores are the same as with a ReLU per call, the model unchanged."""
+    from torchvision.models.resnet import BasicBlock
+
+    from fedfuse.models import ModelAdapter
+
+    class Net(torch.nn.Module):
+        def __init__(self, distinct: bool = False) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+            self.relu = torch.nn.ReLU(inplace=True)
+            self.block = BasicBlock(4, 4)
+            if distinct:  # the same function, one ReLU per call, none in place
+                self.block.relu = torch.nn.Identity()
+                self.first, self.second = torch.nn.ReLU(), torch.nn.ReLU()
+            self.distinct = distinct
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            x = self.relu(self.conv(x))
+            if self.distinct:
+                b = self.block
+                x = self.second(x + b.bn2(b.conv2(self.first(b.bn1(b.conv1(x))))))
+            else:
+                x = self.block(x)
+            return self.fc(x.mean((2, 3)))
+
+    torch.manual_seed(0)
+    reused, distinct = Net().eval(), Net(distinct=True).eval()
+    distinct.load_state_dict(reused.state_dict(), strict=False)
+    x = _inputs(8, (1, 6, 6))
+    scores = importance_scores(ModelAdapter(Net, (1, 6, 6)).adapt(reused), x, method="deeplift")
+    assert reused.relu.inplace and reused.block.relu.inplace  # the user's model untouched
+    first = min(scores)
+    targets = reused(x).argmax(1)
+    expected = LayerDeepLift(distinct, distinct.conv).attribute(
+        x, baselines=torch.zeros_like(x), target=targets
+    )
+    assert torch.allclose(scores[first], expected.abs().flatten(2).mean(2).mean(0), atol=1e-6)
