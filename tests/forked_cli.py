@@ -31,10 +31,13 @@ def _serve() -> None:
     import resource
     import traceback
 
+    import flwr.common.config  # noqa: F401
     import torch  # noqa: F401  the imports every command would pay for, done once
 
     from fedfuse.cli import fuse, predict, simulate, status  # noqa: F401
     from fedfuse.cli.main import main
+    from fedfuse.deploy import predict as deploy_predict  # noqa: F401
+    from fedfuse.federation import offline, scenario  # noqa: F401  fuse's and simulate's
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the replies

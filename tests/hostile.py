@@ -37,6 +37,8 @@ ADDRESS_SPACE = 6 << 30
 TIMEOUT_S = 60
 #: most memory a hostile input may cost a command above its idle peak
 MEMORY_LIMIT = 1 << 30
+#: one server for every table of a test process (started at the first case)
+COMMANDS = ForkedCli()
 
 Argv = list[str | Path]
 
@@ -83,7 +85,7 @@ def snapshot(folder: Path) -> dict[str, str]:
     return found
 
 
-def run_case(commands: ForkedCli, case: Case, folder: Path) -> Outcome:
+def run_case(case: Case, folder: Path, commands: ForkedCli = COMMANDS) -> Outcome:
     """Build ``case`` in ``folder``, run its command there and check it (:func:`check_case`)."""
     folder.mkdir(parents=True, exist_ok=True)
     argv = [str(a) for a in case.build(folder)]

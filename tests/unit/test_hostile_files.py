@@ -3,7 +3,9 @@
 Each file is built here and handed to the real command (:func:`fedfuse.cli.main.main`) in a
 process of its own limited to a 6 GB address space and 60 s, forked from one that has imported
 PyTorch and fedfuse once (:mod:`tests.forked_cli`). Each must fail (exit != 0) in at most two
-lines of stderr that name the file and the key or option at fault; a valid file still passes.
+lines of stderr that name the file and the key or option at fault, printing no control
+character, its peak memory under 1 GiB over the command's ``--help`` (:mod:`tests.hostile`,
+where issue 50's tables are); a valid file still passes.
 The rest checks the library pieces in process: streamed statistics, class names, folders that
 cannot be read. Uploads and checkpoints are attacked in ``tests/flower/test_hostile_inputs.py``.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 import struct
-import subprocess
 import zipfile
 import zlib
 from pathlib import Path
@@ -26,8 +27,9 @@ from fedfuse.data import DataFormatError, from_image_folder, load_npz_dataset, s
 from fedfuse.data.arrays import channel_statistics, check_npz_dataset
 from fedfuse.data.convert import from_medmnist_npz
 from fedfuse.data.idx import read_idx
-from tests.forked_cli import ForkedCli
+from tests.forked_cli import Outcome
 from tests.helpers import patience
+from tests.hostile import COMMANDS, MEMORY_LIMIT, control_characters
 
 ADDRESS_SPACE = 6 << 30
 TIMEOUT_S = 60
@@ -35,19 +37,19 @@ REPO = Path(__file__).resolve().parents[2]
 RNG = np.random.default_rng(0)
 
 
-COMMANDS = ForkedCli()
-
-
-def _fedfuse(*argv: str | Path) -> subprocess.CompletedProcess:
+def _fedfuse(*argv: str | Path) -> Outcome:
     return COMMANDS.run(
         [str(a) for a in argv], cwd=REPO, timeout=patience(TIMEOUT_S), address_space=ADDRESS_SPACE
     )
 
 
-def _assert_refused(result: subprocess.CompletedProcess, *named: str | Path) -> None:
+def _assert_refused(result: Outcome, *named: str | Path) -> None:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode != 0, result.stdout
     assert 1 <= len(lines) <= 2, result.stderr
+    assert not control_characters(result.stdout + result.stderr), result.stderr
+    cost = result.peak_bytes - COMMANDS.baseline(result.args[1])
+    assert cost < MEMORY_LIMIT, f"{cost / 2**20:.0f} MiB over the idle peak"
     for text in named:
         assert str(text) in result.stderr, (text, result.stderr)
 

@@ -18,10 +18,8 @@ import pytest
 
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model, mlp_spec
-from tests.forked_cli import ForkedCli
 from tests.hostile import Case, npy_bytes, npy_with_raw_header, run_case, table, write
 
-COMMANDS = ForkedCli()
 RNG = np.random.default_rng(0)
 ESCAPE = "\x1b]0;pwned\x07\x1b[2J"
 
@@ -306,5 +304,5 @@ CREDENTIALS = [
 
 @pytest.mark.parametrize("case", **table(ARRAYS + SITE_FILES + RUN_OPTIONS + CREDENTIALS))
 def test_hostile_data_options_and_outputs(tmp_path, case):
-    run_case(COMMANDS, case, tmp_path)
+    run_case(case, tmp_path)
     assert not (tmp_path / "PWNED").exists()  # nothing was unpickled or evaluated

@@ -18,10 +18,8 @@ from safetensors.torch import save_file
 
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model, mlp_spec
-from tests.forked_cli import ForkedCli
-from tests.hostile import Case, npy_bytes, run_case, safetensors_bytes, table, write
+from tests.hostile import COMMANDS, Case, npy_bytes, run_case, safetensors_bytes, table, write
 
-COMMANDS = ForkedCli()
 SPEC = mlp_spec((1, 8, 8), 3, (16,))
 META = {
     "normalisation": {"mean": [0.5], "std": [0.25]},
@@ -121,8 +119,8 @@ def _negative_input_side(tmp: Path) -> list:
 
 
 def _metadata_container_bomb(tmp: Path) -> list:
-    """60 MB of ``{},`` in the header's JSON: 20 million dicts (1.3 GB) if parsed."""
-    bomb = "[" + "{}," * 20_000_000 + "{}]"
+    """21 MB of ``{},`` in the header's JSON: 7 million dicts (0.5 GB, 20 s) if parsed."""
+    bomb = "[" + "{}," * 7_000_000 + "{}]"
     text = (
         f'{{"format": "fedfuse-checkpoint/1", "model": {json.dumps(SPEC.to_dict())}, "x": {bomb}}}'
     )
@@ -222,10 +220,10 @@ def _gif_bomb(tmp: Path) -> list:
 
 
 def _png_text_chunk_bomb(tmp: Path) -> list:
-    """A valid 8x8 PNG with a zTXt chunk that inflates to 200 MB (PIL stops at 1 MB)."""
+    """A valid 8x8 PNG with a zTXt chunk that inflates to 64 MB (PIL stops at 1 MB)."""
     ihdr = struct.pack(">IIBBBBB", 8, 8, 8, 0, 0, 0, 0)
     idat = zlib.compress(b"\0" * (9 * 8))
-    ztxt = b"Comment\0\0" + zlib.compress(b"A" * (200 << 20), 9)
+    ztxt = b"Comment\0\0" + zlib.compress(b"A" * (64 << 20), 1)
     data = b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"zTXt", ztxt)
     data += _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
     return _predict(tmp, write(tmp / "scan.png", data))
@@ -312,7 +310,13 @@ def _results(tmp: Path, text: str | bytes) -> list:
 
 
 def _results_container_bomb(tmp: Path) -> list:
+    """60 MB of ``{},``: 20 million dicts, 1.4 GB and a minute to parse (refused unread)."""
     return _results(tmp, '{"status": "ok", "sites": [' + "{}," * 20_000_000 + "{}]}")
+
+
+def _results_just_under_the_limit(tmp: Path) -> list:
+    """15 MiB of ``{},``, under the limit: parsed (5 million dicts) within the memory bound."""
+    return _results(tmp, '{"status": "ok", "sites": [' + "{}," * 5_200_000 + "{}]}")
 
 
 def _results_nested_deeply(tmp: Path) -> list:
@@ -345,6 +349,7 @@ def _results_latest_loops(tmp: Path) -> list:
 
 RESULTS = [
     Case("results-container-bomb", _results_container_bomb, ("results.json",)),
+    Case("results-15-MiB-of-objects", _results_just_under_the_limit, ("results.json", "sites[0]")),
     Case("results-nested-100000-deep", _results_nested_deeply, ("results.json", "nested")),
     Case("results-links-to-dev-zero", _results_links_to_dev_zero, ("run",)),
     Case("results-100000-digit-number", _results_huge_integer, ("results.json",)),
@@ -356,7 +361,7 @@ RESULTS = [
 
 @pytest.mark.parametrize("case", **table(CHECKPOINTS + IMAGES + RESULTS))
 def test_hostile_models_images_and_results(tmp_path, case):
-    run_case(COMMANDS, case, tmp_path)
+    run_case(case, tmp_path)
 
 
 def test_the_idle_baseline_is_the_servers_own_size():
