@@ -28,7 +28,7 @@ import torch
 from fedfuse.data._common import DataFormatError
 from fedfuse.data.dataset import ImageDataset
 from fedfuse.data.npyfile import DEFAULT_MAX_BYTES, ArrayHeader, NpzReader
-from fedfuse.io.atomic import atomic_path
+from fedfuse.io.atomic import atomic_path, require_file
 from fedfuse.io.limits import DEFAULT_MAX_CLASSES
 
 __all__ = [
@@ -344,9 +344,7 @@ def _open_site_file(reader: NpzReader, max_classes: int) -> _SiteFile:
 
 
 def _site_reader(path: str | Path, max_bytes: int) -> NpzReader:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such site data file")
+    path = require_file(path, "site data")
     with path.open("rb") as handle:
         if handle.read(6) == b"\x93NUMPY":
             raise DataFormatError(

@@ -28,6 +28,7 @@ from typing import IO
 import numpy as np
 
 from fedfuse.data._common import DataFormatError
+from fedfuse.io.atomic import require_file
 from fedfuse.io.limits import DEFAULT_MAX_BYTES, format_bytes
 
 __all__ = [
@@ -129,9 +130,7 @@ def _fill(handle: IO[bytes], header: ArrayHeader, where: str) -> np.ndarray:
 
 def read_npy(path: str | Path, what: str = "array", *, max_bytes: int = DEFAULT_MAX_BYTES):
     """One ``.npy`` file, its header checked against the file's size and ``max_bytes``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such {what} file")
+    path = require_file(path, what)
     size = path.stat().st_size
     where = f"{path}: not a readable .npy {what} array"
     try:
@@ -197,7 +196,7 @@ class NpzReader:
                 )
         if problem is not None:
             self._zip.close()
-            raise DataFormatError(f"{self.path}: {problem}")
+            raise DataFormatError(f"{self.path}: not a readable .npz archive ({problem})")
 
     def __enter__(self) -> NpzReader:
         return self

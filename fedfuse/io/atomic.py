@@ -15,6 +15,8 @@ from typing import Any
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path beside ``path``; on success it replaces ``path``, else it is removed."""
     path = Path(path)
+    if path.is_dir():  # else os.replace fails naming the temporary file
+        raise IsADirectoryError(f"{path}: is a folder; give a file name to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -27,6 +29,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def require_file(path: str | Path, what: str) -> Path:
+    """``path`` when it is a regular file (or a link to one); else ``FileNotFoundError`` (nothing
+    there, a broken or looping link) or ``ValueError`` (a folder, device or FIFO: reading
+    ``/dev/zero`` never ends, a FIFO blocks), naming ``path`` (and ``what`` file was wanted)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.exists():
+        kind = "a folder" if path.is_dir() else "a device, FIFO or socket"
+        raise ValueError(f"{path}: is {kind}, not a regular file")
+    raise FileNotFoundError(f"{path}: no such {what} file")
 
 
 def refuse_overwriting_inputs(

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fedfuse.io.atomic import atomic_path
+from fedfuse.io.atomic import atomic_path, require_file
 from fedfuse.io.jsontext import parse_json
 from fedfuse.io.validation import (
     ContributionError,
@@ -120,9 +120,10 @@ def load_checkpoint(
             malformed metadata, unknown or implausible architecture, missing/unexpected/
             misshapen tensors, NaN/Inf values, bad or missing scores or Grams).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        path = require_file(path, "checkpoint")
+    except (OSError, ValueError) as error:
+        raise CheckpointError(str(error)) from None
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = handle.metadata() or {}
