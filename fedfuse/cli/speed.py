@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fedfuse.experiments.speed_options import ARCHS, DEFAULT_METHODS
+from fedfuse.experiments.speed_options import ARCHS, DEFAULT_METHODS, PLAIN_ARCHS
 from fedfuse.settings.defaults import DEFAULT_FUSION_SAMPLES
+
+#: the plain model ``--arch`` offers (its help names it)
+PLAIN = "torchvision-resnet18"
 
 
 def speed_command(args: argparse.Namespace) -> int:
@@ -27,9 +30,17 @@ def register_cli(subparsers: Any) -> None:
         "--methods",
         default=None,
         help='comma list, or "all" (every method that accepts the architecture); default: '
-        f"{DEFAULT_METHODS['vgg11']} for vgg11, all for resnet and vit",
+        f"{DEFAULT_METHODS['vgg11']} for vgg11, {DEFAULT_METHODS[PLAIN]} for {PLAIN}, all for "
+        "resnet and vit",
     )
-    parser.add_argument("--arch", default="vgg11", choices=list(ARCHS))
+    parser.add_argument(
+        "--arch",
+        default="vgg11",
+        choices=list(ARCHS),
+        help=f"{PLAIN}: torchvision's resnet18(num_classes=10), adapted as a user's plain model, "
+        f"timed beside fedfuse's own ResNet-18 of the same layers ({PLAIN_ARCHS[PLAIN][1]}), "
+        "with the ratio of the two",
+    )
     parser.add_argument(
         "--width", type=float, default=1.0, help="vgg11 width multiplier, or the mlp's hidden width"
     )

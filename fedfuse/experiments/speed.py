@@ -7,8 +7,11 @@ VGG11s, the run default of :data:`~fedfuse.settings.run.DEFAULT_FUSION_SAMPLES` 
 (ResNet-18, width 1, CIFAR stem) and ``--arch vit`` (the paper's CIFAR ViT) benchmark every
 registered method that accepts the architecture (``--methods all``, their default); methods
 that refuse it are listed with the reason, and a method that raises is reported as FAILED while
-the others go on. Statistics-round methods get two in-process sites holding the two halves of
-the fusion set; their statistics are part of the timed fusion.
+the others go on. ``--arch torchvision-resnet18`` fuses torchvision's ``resnet18`` as a user's
+plain model, then fedfuse's own ResNet-18 of the same layers, and prints the two side by side
+with their ratio (:mod:`fedfuse.experiments.speed_plain`). Statistics-round methods get two
+in-process sites holding the two halves of the fusion set; their statistics are part of the
+timed fusion.
 
 Each method runs ``repeats`` times in this process; the median wall time of
 :meth:`~fedfuse.fusion.base.FusionMethod.fuse` is reported (CUDA synchronised), with the peak
@@ -31,7 +34,8 @@ from typing import Any
 import torch
 
 from fedfuse.experiments.speed_options import ARCHS as ARCHS  # light, for the CLI
-from fedfuse.experiments.speed_options import DEFAULT_METHODS
+from fedfuse.experiments.speed_options import DEFAULT_METHODS, PLAIN_ARCHS
+from fedfuse.experiments.speed_plain import compare, format_comparison, own_counterpart, plain_spec
 from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
 from fedfuse.fusion.base import FusionMethod
 from fedfuse.fusion.methods.regression.regmean import level_grams
@@ -39,7 +43,7 @@ from fedfuse.fusion.registry import FUSION_METHODS, parse_method_names, split_me
 from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.fusion.statistics.fisher import site_fisher
 from fedfuse.models import LeveledModel, ModelSpec, build_model, make_spec
-from fedfuse.runtime import PeakMemory, resolve_device
+from fedfuse.runtime import PeakMemory, release_free_memory, resolve_device
 from fedfuse.settings.bounds import DEFAULT_MAX_FUSED_PARAMETERS, check_model_size
 from fedfuse.settings.run import DEFAULT_FUSION_SAMPLES
 
@@ -75,7 +79,13 @@ def benchmark_spec(
 ) -> ModelSpec:
     """The spec of the fused models: ``width`` is vgg11's width multiplier or the mlp's hidden
     width (3 levels); resnet and vit start from :data:`DEFAULT_MODEL_OPTIONS`; ``model_options``
-    (the spec builder's keyword arguments) override any of these."""
+    (the spec builder's keyword arguments) override any of these. A plain model
+    (:data:`~fedfuse.experiments.speed_options.PLAIN_ARCHS`) has the widths its class defines:
+    it takes neither."""
+    if arch in PLAIN_ARCHS:
+        if model_options:
+            raise ValueError(f"{arch} has the widths its class defines; got {model_options}")
+        return plain_spec(arch, input_shape, NUM_CLASSES)
     if arch == "vgg11":
         arch_options: dict[str, Any] = {"width_multiplier": width}
     elif arch == "mlp":
@@ -283,6 +293,47 @@ def measure(
     return rows
 
 
+def measure_alternating(
+    methods: Sequence[str] | str,
+    setups: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    repeats: int = 1,
+    **settings: Any,
+) -> list[list[dict[str, Any]]]:
+    """Each setup's rows (``(arch, model_options)``, rows as :func:`measure`'s), its repeats
+    taken in turn with the other setups' (first, second, first, ...; each a :func:`measure` of
+    one repeat), so that on a shared machine all see the same load and their ratio holds while
+    the load drifts. A row's median is over its repeats, its peaks the highest of them."""
+    if repeats < 1:
+        raise ValueError(f"need repeats >= 1, got {repeats}")
+    runs: list[list[list[dict[str, Any]]]] = [[] for _ in setups]
+    for repeat in range(repeats):
+        for number, (arch, model_options) in enumerate(setups):
+            log.info("%s: repeat %d of %d", arch, repeat + 1, repeats)
+            rows = measure(methods, arch=arch, model_options=model_options, **settings)
+            runs[number].append(rows)
+            release_free_memory()  # what these fusions freed, before the next setup's start
+    return [[_merged(rows) for rows in zip(*setup, strict=True)] for setup in runs]
+
+
+def _merged(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One method's rows of several :func:`measure` calls as one: the first that did not run,
+    else the median seconds of all and the highest peaks."""
+    unrun = [row for row in rows if row["status"] != "ok"]
+    if unrun:
+        return unrun[0]
+    seconds = [s for row in rows for s in row["all_seconds"]]
+    cuda = [row["peak_cuda_gib"] for row in rows if row["peak_cuda_gib"] is not None]
+    return {
+        **rows[0],
+        "seconds": statistics.median(seconds),
+        "all_seconds": seconds,
+        "peak_rss_gib": max(row["peak_rss_gib"] for row in rows),
+        "rss_increase_gib": max(row["rss_increase_gib"] for row in rows),
+        "peak_cuda_gib": max(cuda) if cuda else None,
+    }
+
+
 def describe_spec(spec: ModelSpec) -> str:
     """``arch (options, widths, parameters)`` for the output's header."""
     model = build_model(spec, device="meta")
@@ -350,21 +401,32 @@ def run(args: argparse.Namespace) -> int:
     check_model_size(spec, DEFAULT_MAX_FUSED_PARAMETERS, f"the benchmark's {spec.arch}", limit)
     described = device_description(args.device)
     log.info("benchmarking on %s: %s", described, spec.to_dict())
-    rows = measure(
-        methods,
-        arch=args.arch,
-        input_shape=shape,
-        width=args.width,
-        model_options=model_options,
-        fusion_samples=args.fusion_samples,
-        repeats=args.repeats,
-        device=args.device,
-        options=options,
-        count=args.models,
+    settings = {
+        "input_shape": shape,
+        "fusion_samples": args.fusion_samples,
+        "repeats": args.repeats,
+        "device": args.device,
+        "options": options,
+        "count": args.models,
+    }
+    setting = (
+        f"on {args.fusion_samples} samples of {args.input_shape}; {args.repeats} repeat(s); "
+        f"device {described}"
     )
+    if args.arch not in PLAIN_ARCHS:
+        rows = measure(
+            methods, arch=args.arch, width=args.width, model_options=model_options, **settings
+        )
+        print(format_speed_table(rows, f"fusing {args.models} x {describe_spec(spec)} {setting}"))
+        return 0
+    own_arch, own_options = own_counterpart(args.arch)
+    own_spec = benchmark_spec(own_arch, shape, model_options=own_options)
+    setups = [(args.arch, model_options), (own_arch, own_options)]
+    rows, own_rows = measure_alternating(methods, setups, **settings)
     header = (
-        f"fusing {args.models} x {describe_spec(spec)} on {args.fusion_samples} samples of "
-        f"{args.input_shape}; {args.repeats} repeat(s); device {described}"
+        f"fusing {args.models} x {describe_spec(spec)} and {args.models} x fedfuse's own "
+        f"{describe_spec(own_spec)} in turn, {setting}; ratio: {args.arch}/{own_arch}, of the "
+        "RSS increase for memory"
     )
-    print(format_speed_table(rows, header))
+    print(format_comparison(compare(rows, own_rows), header, (args.arch, own_arch)))
     return 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from torch import nn
+from torchvision.models.resnet import BasicBlock
 
 from fedfuse.cli.main import main
-from fedfuse.experiments import speed
+from fedfuse.experiments import speed, speed_options, speed_plain
 from fedfuse.fusion.registry import FUSION_METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,3 +144,73 @@ def test_a_model_too_large_to_build_is_refused_before_any_allocation(capsys, arg
     assert main(["speed", *argv, "--methods", "fedavg", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and named in err and "--width" in err
+
+
+class _TinyTorchvisionResNet(nn.Module):
+    """torchvision's resnet18 layout (its ``BasicBlock`` s, 7x7 stem, max-pool, ``downsample``)
+    at widths 4 and 8, one block per stage: what fedfuse's own ``blocks=[1, 1]`` ResNet is at
+    ``width_multiplier=0.0625`` with the ImageNet stem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = BasicBlock(4, 4)
+        shortcut = nn.Sequential(nn.Conv2d(4, 8, 1, stride=2, bias=False), nn.BatchNorm2d(8))
+        self.layer2 = BasicBlock(4, 8, stride=2, downsample=shortcut)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+def test_a_plain_resnet_timed_beside_fedfuses_own_with_their_ratio(capsys, monkeypatch):
+    """Issue 49: ``--arch torchvision-resnet18`` fuses the plain model and fedfuse's own ResNet
+    of the same layers in turn with the same method and prints both rows and their ratio (here
+    both made tiny: torchvision's blocks at widths 4 and 8, and the own ResNet to match)."""
+    monkeypatch.setattr(speed_plain, "plain_factory", lambda name, classes: _TinyTorchvisionResNet)
+    own = ("resnet", "blocks=[1,1] width_multiplier=0.0625 stem=imagenet")
+    monkeypatch.setitem(speed_options.PLAIN_ARCHS, "torchvision-resnet18", own)
+    argv = ["speed", "--arch", "torchvision-resnet18", "--samples", "8", "--input-shape",
+            "3,16,16", "--device", "cpu", "--threads", "1"]  # fmt: skip
+    assert main(argv) == 0  # kf-linear, the default for it
+    out = capsys.readouterr().out
+    plain_model = "torchvision-resnet18 (widths [4, 4, 4, 8], 1,934 parameters)"
+    own_model = "resnet (blocks=[1, 1], stem=imagenet, widths [4, 4, 8], 1,934 parameters)"
+    assert f"fusing 2 x {plain_model} and 2 x fedfuse's own {own_model} in turn" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| kf-linear |")]
+    assert [row[1] for row in rows] == [
+        "torchvision-resnet18",
+        "resnet",
+        "ratio torchvision-resnet18/resnet",
+    ]
+    plain, own_seconds, ratio = (float(row[2].rstrip("x")) for row in rows)
+    assert plain > 0 and own_seconds > 0 and ratio > 0
+    increases = [row[4] for row in rows]  # the RSS increases (MiB-scale here), their ratio
+    assert all(cell == "-" or float(cell.rstrip("x")) >= 0 for cell in increases)
+
+
+def test_torchvision_resnet18_is_adapted_with_fedfuses_resnet18_layers():
+    spec = speed.benchmark_spec("torchvision-resnet18", (3, 32, 32))
+    own = speed.benchmark_spec("resnet", (3, 32, 32), model_options={"stem": "imagenet"})
+    assert spec.arch == "torchvision-resnet18" and spec.widths[1:] == own.widths
+    assert speed.describe_spec(spec).endswith("11,181,642 parameters)")
+    assert speed.describe_spec(own).endswith("11,181,642 parameters)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--model-options", "depth=10"], "has the widths its class defines"),
+        (["--input-shape", "1,28,28"], "takes (3, H, W) images, got --input-shape 1,28,28"),
+    ],
+)
+def test_the_plain_resnet18_refuses_options_it_cannot_take(capsys, argv, named):
+    args = ["speed", "--arch", "torchvision-resnet18", "--device", "cpu", *argv]
+    assert main(args) == 2
+    assert named in capsys.readouterr().err
