@@ -141,11 +141,29 @@ class _PreLogitsViT(VisionTransformer):
         super().__init__(28, 7, 1, 2, 32, 64, num_classes=CLASSES, representation_size=16)
 
 
+class _SequenceFirst(nn.Module):
+    """Attention written sequence-first (transposes around it) and a shape check: no ViT part
+    reads it, and the refusal names its first op no piece takes, not the check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.fc = nn.Linear(16, 16), nn.Linear(16, CLASSES)
+        self.ln, self.attention = nn.LayerNorm(16), nn.MultiheadAttention(16, 2)
+
+    def forward(self, x):
+        tokens = self.proj(x.view(x.size(0), 4, 16))
+        torch._assert(tokens.dim() == 3, "tokens")
+        h = self.ln(tokens).transpose(0, 1)
+        tokens = tokens + self.attention(h, h, h, need_weights=False)[0].transpose(0, 1)
+        return self.fc(tokens.mean(1))
+
+
 @pytest.mark.parametrize(
     ("model", "shape", "expected"),
     [
         (_RolledViT, SHAPE, r"level 8:encoder\.layers\.encoder_layer_1 is no MLP .*'roll'"),
         (_PreLogitsViT, (3, 28, 28), r"level 7:encoder_ln is no ViT head .*'heads_act', Tanh"),
+        (_SequenceFirst, (1, 8, 8), r"level 2:.*neither affine.*node 'ln', LayerNorm, is none"),
     ],
 )
 def test_a_part_no_piece_reads_is_refused_naming_the_level_and_the_op(model, shape, expected):

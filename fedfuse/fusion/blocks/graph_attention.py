@@ -44,7 +44,7 @@ _DROPOUTS = (nn.Dropout, nn.Identity)
 
 
 # ------------------------------------------------------------------------- graph reading
-def _live(level: fx.GraphModule) -> set[fx.Node]:
+def live_nodes(level: fx.GraphModule) -> set[fx.Node]:
     """The nodes whose values the level's output reads (placeholders and the output excluded)."""
     result = next(n for n in level.graph.nodes if n.op == "output")
     seen: set[fx.Node] = set()
@@ -140,7 +140,7 @@ def read_attention(level: nn.Module) -> _Attention | None:
     if norm is None:
         return None
     extra = {n for n in call.users if n is not getitem and n.users}
-    if extra or _live(level) != {add, getitem, call, call.args[0], *dropouts}:
+    if extra or live_nodes(level) != {add, getitem, call, call.args[0], *dropouts}:
         return None
     return _Attention(norm, str(call.target))
 
@@ -177,7 +177,7 @@ def read_mlp(level: nn.Module) -> _Mlp | None:
         return None
     norm = _norm(level, fc1.args[0], source) if isinstance(fc1.args[0], fx.Node) else None
     chain = [add, *dropouts, fc2, *act, fc1, fc1.args[0]]
-    if norm is None or _live(level) != set(chain) or any(len(n.users) != 1 for n in chain[1:]):
+    if norm is None or live_nodes(level) != set(chain) or any(len(n.users) != 1 for n in chain[1:]):
         return None
     names = tuple(n.name for n in reversed(act))
     return _Mlp(norm, str(fc1.target), names, str(fc2.target))
@@ -223,7 +223,7 @@ def read_embedding(level: fx.GraphModule) -> _Embedding | None:
     if None in shapes or not _shapes_fit(shapes, level, token, position):
         return None
     tensors = {add, *dropouts, cat, expand, tokens, flat, conv, token, position}
-    if any(output_shape(n) is not None for n in _live(level) - tensors):
+    if any(output_shape(n) is not None for n in live_nodes(level) - tensors):
         return None  # another tensor op than these (sizes for reshape and expand are fine)
     return _Embedding(str(conv.target), str(token.target), str(position.target))
 
@@ -277,7 +277,7 @@ def read_head(level: fx.GraphModule) -> tuple[str, str] | None:
     while isinstance(node, fx.Node) and node is not source and len(chain) < 3:
         chain.append(node)
         node = node.args[0]
-    if node is not source or len(chain) != 3 or _live(level) != set(chain):
+    if node is not source or len(chain) != 3 or live_nodes(level) != set(chain):
         return None
     first, second = chain[2], chain[1]  # applied first, then second
     select = next((n for n in (first, second) if n.target is operator.getitem), None)
@@ -315,7 +315,7 @@ def odd_node(level: fx.GraphModule, part: str) -> fx.Node | None:
     """The first node computing a tensor the output reads whose op the ``part``
     (``"embedding"``, ``"mlp"``, ``"head"``) has no place for, else None (the ops are the
     part's, their arrangement is not)."""
-    live = _live(level)
+    live = live_nodes(level)
     for node in level.graph.nodes:
         if node not in live or node.op == "get_attr" or output_shape(node) is None:
             continue
@@ -327,4 +327,4 @@ def odd_node(level: fx.GraphModule, part: str) -> fx.Node | None:
     return None
 
 
-__all__ = ["odd_node", "read_attention", "read_embedding", "read_head", "read_mlp"]
+__all__ = ["live_nodes", "odd_node", "read_attention", "read_embedding", "read_head", "read_mlp"]

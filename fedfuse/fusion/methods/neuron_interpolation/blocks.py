@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from fedfuse.fusion.blocks.attention import attention_logits, attention_map_points
+from fedfuse.fusion.blocks.graph_attention import live_nodes
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, op_kind, read_block
 from fedfuse.fusion.blocks.pieces import LinearPiece, linear_pieces
 from fedfuse.fusion.blocks.token_levels import TokenLevel, token_refusal
@@ -82,8 +83,11 @@ def unfit_op(level: nn.Module) -> str:
     """``" (its op 'x' is ...)"``: the first op of a graph level that no piece takes."""
     if not isinstance(level, fx.GraphModule):
         return ""
+    read = live_nodes(level)  # shape checks and asserts compute nothing the output reads
     for node in level.graph.nodes:
-        if node.op not in ("placeholder", "output", "get_attr") and op_kind(level, node) is None:
+        if node not in read or node.op == "get_attr" or "tensor_meta" not in node.meta:
+            continue  # sizes (a shape, its entries) are no ops on channels either
+        if op_kind(level, node) is None:
             return f" (its node {node.name!r}, {describe(node, level)}, is none of these)"
     return ""
 
