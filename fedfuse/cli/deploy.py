@@ -22,6 +22,7 @@ from fedfuse.deploy.credentials import (
 )
 from fedfuse.io.atomic import refuse_overwriting_inputs
 from fedfuse.io.limits import DEFAULT_MAX_BYTES, DEFAULT_MAX_CLASSES, DEFAULT_MAX_SIDE, format_bytes
+from fedfuse.io.text import terminal_safe
 from fedfuse.settings.bounds import Range
 
 if TYPE_CHECKING:
@@ -50,11 +51,13 @@ def certs_command(args: argparse.Namespace) -> int:
     except (FileExistsError, ValueError) as error:
         return _fail("certs", error)
     ca_pem = x509.load_pem_x509_certificate(made.ca_cert.read_bytes())
-    print(f"{'created' if made.ca_created else 'reused'} CA: {made.ca_cert} (key {made.ca_key})")
+    created = "created" if made.ca_created else "reused"
+    print(terminal_safe(f"{created} CA: {made.ca_cert} (key {made.ca_key})"))
     print(f"  CA fingerprint {fingerprint(ca_pem.public_bytes(serialization.Encoding.DER))}")
-    print(f"server certificate: {made.server_cert} (key {made.server_key})")
+    print(terminal_safe(f"server certificate: {made.server_cert} (key {made.server_key})"))
     print(f"  valid for: {', '.join(made.names)}")
-    print(f"give every site {made.ca_cert}; keep {made.ca_key} and {made.server_key} private")
+    keep = f"keep {made.ca_key} and {made.server_key} private"
+    print(terminal_safe(f"give every site {made.ca_cert}; {keep}"))
     return 0
 
 
@@ -65,7 +68,7 @@ def keys_command(args: argparse.Namespace) -> int:
     except (FileExistsError, ValueError) as error:
         return _fail("keys", error)
     for site in made:
-        print(f"{site.name}: private {site.private_key}, public {site.public_key}")
+        print(terminal_safe(f"{site.name}: private {site.private_key}, public {site.public_key}"))
         print(f"  public key fingerprint {site.fingerprint}")
     return 0
 
@@ -217,7 +220,7 @@ def site_data_command(args: argparse.Namespace) -> int:
         return _fail("site-data", error)
     _print_summary(summary)
     if args.source != "check":
-        print(f"wrote {args.out}")
+        print(terminal_safe(f"wrote {args.out}"))
     return 0
 
 

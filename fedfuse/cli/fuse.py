@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedfuse.io.atomic import json_safe, refuse_overwriting_inputs
+from fedfuse.io.text import terminal_safe
 from fedfuse.settings.bounds import (
     DEFAULT_MAX_FUSED_PARAMETERS,
     Range,
@@ -235,7 +236,7 @@ def fuse_command(args: argparse.Namespace) -> int:
             base_models, {args.method: result.model}, test_data, device=device
         )
         print(format_accuracy_table(evaluation))
-    print(f"fused checkpoint: {output}")
+    print(terminal_safe(f"fused checkpoint: {output}"))
     return 0
 
 

@@ -43,7 +43,7 @@ def predict_command(args: argparse.Namespace) -> int:
     counts = Counter(predictions.classes)
     summary = ", ".join(f"{c} {n}" for c, n in counts.items())
     print(terminal_safe(f"{len(predictions.images)} images: {summary}"))
-    print(f"wrote {out}")
+    print(terminal_safe(f"wrote {out}"))
     return 0
 
 

@@ -117,6 +117,10 @@ def _no_images(tmp: Path) -> list:
     return _arrays(tmp, _images(tmp, np.zeros((0, 8, 8), np.uint8)), _labels(tmp, np.zeros(0, int)))
 
 
+def _out_with_escapes(tmp: Path) -> list:
+    return [*_arrays(tmp, _images(tmp), _labels(tmp))[:-1], tmp / f"o{ESCAPE}.npz"]
+
+
 ARRAYS = [
     Case("pickled-object-images", _pickled_images, ("images.npy", "pickles are refused")),
     Case("npy-header-is-python-code", _header_is_python_code, ("images.npy",)),
@@ -128,6 +132,7 @@ ARRAYS = [
     Case("npy-v2-header-length-4-GB", _header_length_4_gb, ("images.npy",)),
     Case("images-link-to-dev-zero", _images_link_to_dev_zero, ("images.npy",)),
     Case("zero-images", _no_images, ("images",)),
+    Case("out-with-escapes", _out_with_escapes, succeeds=True, writes=(f"o{ESCAPE}.npz",)),
 ]
 
 
@@ -297,6 +302,15 @@ CREDENTIALS = [
     ),
     Case("certs-host-300-letters", lambda t: _certs(t, "--host", "a" * 300 + ".example"), ("aaa",)),
     Case("certs-out-is-a-file", _certs_out_is_a_file, ("pki",)),
+    Case(
+        "certs-out-with-escapes",
+        lambda t: ["certs", "--out", t / f"pki{ESCAPE}", "--host", "a.example"],
+        succeeds=True,
+        writes=tuple(
+            f"pki{ESCAPE}" + name
+            for name in ("", "/ca.crt", "/ca.key", "/server.pem", "/server.key")
+        ),
+    ),
     Case("keys-name-escapes-folder", lambda t: ["keys", "../escaped", "--out", t / "k"], ("../",)),
     Case("keys-name-ends-in-newline", lambda t: ["keys", "site\n", "--out", t / "k"], ("site",)),
 ]

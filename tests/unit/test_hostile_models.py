@@ -301,6 +301,12 @@ IMAGES = [
     Case("out-is-the-image", _out_is_the_image, ("--out", "scan.png")),
     Case("out-is-a-folder", _out_is_a_folder, ("results",)),
     Case("escape-sequence-in-image-name", _escape_in_image_name, succeeds=True),
+    Case(
+        "out-with-escapes",
+        lambda t: [*_predict(t, _png(t / "scan.png")), "--out", t / f"p{ESCAPE}.csv"],
+        succeeds=True,
+        writes=(f"p{ESCAPE}.csv",),
+    ),
 ]
 
 
