@@ -75,7 +75,6 @@ def importance_scores(
     if len(inputs) == 0:
         raise ValueError("importance scores need at least one input sample")
 
-
     if method == "deeplift":
         model = _one_module_per_call(model)
     compute = resolve_device(device)
@@ -105,7 +104,7 @@ def importance_scores(
                 attributions = layer_deeplifts(model, layers, x, t)
             for index, attribution in zip(chosen, attributions, strict=True):
                 # mean |attribution| over spatial positions, summed over the samples of the batch
-                per_sample = attribution.detach().abs()
+                per_sample = _channels_first(attribution.detach().abs(), len(totals[index]))
                 if per_sample.dim() > 2:
                     per_sample = per_sample.flatten(2).mean(2)
                 totals[index] += per_sample.sum(0).double().cpu()
@@ -116,6 +115,14 @@ def importance_scores(
     finally:
         model.to(model_device)
         model.train(was_training)
+
+
+def _channels_first(values: torch.Tensor, width: int) -> torch.Tensor:
+    """``values`` with the level's ``width`` neurons on dim 1: a traced model's token sequence
+    ``(N, tokens, d)`` (torchvision's ViT) holds them on its last dim."""
+    if values.dim() > 2 and values.shape[1] != width and values.shape[-1] == width:
+        return values.movedim(-1, 1)
+    return values
 
 
 def _one_module_per_call(model: LeveledModel) -> LeveledModel:

@@ -14,7 +14,7 @@ from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.blocks.token_levels import TokenEmbedding, TokenEncoder, TokenHead
-from fedfuse.models import ModelAdapter
+from fedfuse.models import ModelAdapter, importance_scores
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -189,3 +189,20 @@ def test_kf_sites_takes_it_too(sites, fusion_set):
         loss = nn.functional.cross_entropy(fresh.eval()(data), labels)
         average_loss = nn.functional.cross_entropy(averaged.eval()(data), labels)
     assert loss < 0.6 * average_loss  # 0.06 against 0.46
+
+
+def test_deeplift_scores_of_its_token_levels_weight_the_fit(sites, fusion_set):
+    """The sites' scores: a token level's neurons are its last dim (``(N, tokens, d)``)."""
+    data, labels = fusion_set
+    adapter = ModelAdapter(SmallViT, SHAPE).register()
+    scores = [importance_scores(adapter.adapt(s), data[:32], method="deeplift") for s in sites]
+    leveled = adapter.adapt(sites[0])
+    assert all(len(s[i]) == leveled.level_width(i) for s in scores for i in s)
+    assert len(scores[0][6]) == 32  # the first block's stream, not its 17 tokens
+    inputs = FusionInputs(data, labels=labels, scores=scores)
+    fused = make_fusion_method("kf-linear").fuse(sites, inputs).model
+    averaged = make_fusion_method("vanilla").fuse(sites, inputs).model
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(fused.eval()(data), labels)
+        average_loss = nn.functional.cross_entropy(averaged.eval()(data), labels)
+    assert loss < 0.6 * average_loss
