@@ -18,7 +18,16 @@ import pytest
 
 from fedfuse.io.checkpoint import save_checkpoint
 from fedfuse.models import build_model, mlp_spec
-from tests.hostile import Case, npy_bytes, npy_with_raw_header, run_case, table, write
+from tests.hostile import (
+    COMMANDS,
+    MEMORY_LIMIT,
+    Case,
+    npy_bytes,
+    npy_with_raw_header,
+    run_case,
+    table,
+    write,
+)
 
 RNG = np.random.default_rng(0)
 ESCAPE = "\x1b]0;pwned\x07\x1b[2J"
@@ -320,3 +329,16 @@ CREDENTIALS = [
 def test_hostile_data_options_and_outputs(tmp_path, case):
     run_case(case, tmp_path)
     assert not (tmp_path / "PWNED").exists()  # nothing was unpickled or evaluated
+
+
+def test_the_memory_meter_sees_what_a_command_really_holds(tmp_path):
+    """The control of every case's memory rule: a command that does hold 1.2 GB (an honest,
+    sparse .npy of that size read whole) is measured above the 1 GiB allowed."""
+    header = {"descr": "|u1", "fortran_order": False, "shape": (1_200_000_000,)}
+    images = write(tmp_path / "images.npy", npy_bytes(header=header))
+    with images.open("r+b") as file:
+        file.truncate(images.stat().st_size + 1_200_000_000)  # a hole: nothing on disk
+    argv = _arrays(tmp_path, images, _labels(tmp_path))
+    result = COMMANDS.run([str(a) for a in argv], cwd=tmp_path, timeout=120, address_space=6 << 30)
+    assert result.returncode == 2 and "images.npy" in result.stderr, result.stderr
+    assert result.peak_bytes - COMMANDS.baseline("site-data") > MEMORY_LIMIT
