@@ -42,11 +42,9 @@ class _Projection:
     or scaling them writes the user's module."""
 
     def __init__(self, attention: nn.MultiheadAttention, index: int) -> None:
-        self.module, self.rows = (
-            attention,
-            slice(index * attention.embed_dim, (index + 1) * attention.embed_dim),
-        )
-        self.in_features = self.out_features = attention.embed_dim
+        width = attention.embed_dim
+        self.module, self.rows = attention, slice(index * width, (index + 1) * width)
+        self.in_features = self.out_features = width
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,7 +61,8 @@ class _Projection:
 
 class PackedAttention:
     """``nn.MultiheadAttention`` (batch first, self-attention) with the interface of fedfuse's
-    :class:`~fedfuse.models.vit.Attention`: ``heads``, ``q``, ``k``, ``v``, ``out``."""
+    :class:`~fedfuse.models.vit.Attention`: ``heads``, ``q``, ``k``, ``v``, ``out``. Called, it is
+    the attention branch as the fits read it, in eval mode (the dropout after it is inactive)."""
 
     def __init__(self, attention: nn.MultiheadAttention) -> None:
         self.module = attention
