@@ -74,8 +74,9 @@ def check_block_levels(model: LeveledModel, affine: Callable[[nn.Module], Any]) 
                 "Linear/Conv2d) nor a block: a ResNet stem, BasicBlock or ViT patch embedding or "
                 "encoder block, or in a model of yours a Linear/Conv2d with its BatchNorm, or a "
                 "residual block of such layers added to the block's input or to a "
-                "Linear/Conv2d shortcut (as torchvision's ResNets), the levels a Linear variant "
-                f"fits in closed form{unfit_op(level)}; use a gradient variant for it"
+                "Linear/Conv2d shortcut (as torchvision's ResNets), or a pre-norm ViT's levels (as "
+                "torchvision's VisionTransformer), the levels a Linear variant fits in closed "
+                f"form{unfit_op(level)}; use a gradient variant for it"
             )
 
 

@@ -208,7 +208,9 @@ class InterpolationOptions(FusionMethod):
         check_one_to_one(self.name, self.grouping, [spec.widths, target.widths])
 
     def check_architecture(self, model: LeveledModel) -> None:
-        """Linear fits affine levels and ResNet blocks in closed form; Gradient trains any."""
+        """Linear fits affine levels and ResNet and ViT blocks in closed form (fedfuse's own, or
+        read off a user's graph: torchvision's ResNets and VisionTransformer); Gradient trains
+        any."""
         if self.approximation == "linear":
             check_block_levels(model, affine_view)
             for index in model.neuron_levels:
