@@ -17,14 +17,15 @@ from collections.abc import Iterable
 #: values that differ between two runs of the same command, and what they become
 VARYING = (
     (re.compile(r"SHA256:[A-Za-z0-9+/]{43}"), "SHA256:<fingerprint>"),
-    (re.compile(r"\b\d{8}-\d{6}-\S*?-run\d+\b"), "<run folder>"),
+    (re.compile(r"\b\d{8}-\d{6}-\S*?-run\d+\b"), "<run-folder>"),
     (re.compile(r"\b\d{10,20}\b"), "<id>"),  # node and run ids
-    (re.compile(r"\b[0-9a-f]{12}…"), "<ray node>…"),
+    (re.compile(r"\b[0-9a-f]{12}…"), "<ray-node>…"),
     (re.compile(r"^(\S+\.png,[^,]+),[01]\.\d+$"), r"\1,<probability>"),  # fedfuse predict's rows
 )
 #: a document's stand-in for one word of the output
 PLACEHOLDER = re.compile(r"<[a-z][a-z -]*>")
 ELISION = "..."
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
 
 
 def normalise(line: str, replacements: Iterable[tuple[str, str]] = ()) -> str:
@@ -73,3 +74,21 @@ def assert_shows(printed: str, shown: str, replacements: Iterable[tuple[str, str
                 f"from line {position})\n{printed_part}"
             )
         position = found + len(segment)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Every fenced block of ``text``, in order: its language ("" for none) and its lines,
+    without the fences and the list indentation."""
+    blocks, current, indent, lang = [], None, "", ""
+    for line in text.splitlines():
+        fence = FENCE.match(line)
+        if current is None:
+            if fence:
+                current, indent, lang = [], fence["indent"], fence["lang"]
+        elif fence and fence["indent"] == indent and not fence["lang"]:
+            blocks.append((lang, "\n".join(current)))
+            current = None
+        else:
+            current.append(line[len(indent) :] if line.startswith(indent) else line)
+    assert current is None, "an unclosed code block"
+    return blocks

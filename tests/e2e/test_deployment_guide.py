@@ -4,8 +4,11 @@ Only the base directory is changed (``export FEDFUSE_BASE=/srv/fedfuse`` points 
 folder). A block whose first line is ``# in a terminal of its own`` is started in the background,
 as a reader starts it in a second terminal, and the next block waits until its log shows the
 line the guide says it prints when ready. Everything runs on 127.0.0.1: TLS, SuperNode
-authentication, two SuperNodes, the run, the status check and a prediction. A guide that drifts
-from the code fails here.
+authentication, two SuperNodes, the run, the status check and a prediction. Every output the
+guide shows (a block without a language after a command) is compared with what that command
+printed: the accuracy tables within their tolerances, the predictions' probabilities within
+0.05, all else line by line but for values that differ from run to run (tests/shown_outputs.py).
+A guide that drifts from the code fails here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pytest
 
 from fedfuse.io.checkpoint import load_checkpoint
 from tests.helpers import accuracy_tables, assert_same_table, descendants, patience
+from tests.shown_outputs import assert_shows, fenced_blocks
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +37,7 @@ GUIDE = REPO / "docs" / "deployment.md"
 BASE_LINE = "export FEDFUSE_BASE=/srv/fedfuse"
 BACKGROUND = "# in a terminal of its own"
 READY = re.compile(r'ready when it logs "([^"]+)"')
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[ \t]*$")
+MARKER = re.compile(r">>> guide block (\d+) at \d+ s$")
 #: the ports the guide's processes listen on
 GUIDE_PORTS = (8000, 9094, 9095)
 #: seconds the whole guide may take (its first run takes about a minute, the secure run about
@@ -42,21 +46,40 @@ GUIDE_TIMEOUT = 1500
 
 
 def guide_blocks(text: str) -> list[str]:
-    """The guide's ``bash`` blocks, in order, without their fences and list indentation."""
-    blocks, current, indent, lang = [], None, "", ""
-    for line in text.splitlines():
-        fence = FENCE.match(line)
-        if current is None:
-            if fence:
-                current, indent, lang = [], fence["indent"], fence["lang"]
-        elif fence and fence["indent"] == indent and not fence["lang"]:
-            if lang == "bash":
-                blocks.append("\n".join(current))
-            current = None
-        else:
-            current.append(line[len(indent) :] if line.startswith(indent) else line)
-    assert current is None, "the guide has an unclosed code block"
-    return blocks
+    """The guide's ``bash`` blocks, in order."""
+    return [body for lang, body in fenced_blocks(text) if lang == "bash"]
+
+
+def guide_outputs(text: str) -> list[tuple[int, str]]:
+    """The outputs the guide shows: each block without a language, with the index of the
+    ``bash`` block before it (the one that printed it)."""
+    outputs, bash = [], -1
+    for lang, body in fenced_blocks(text):
+        if lang == "bash":
+            bash += 1
+        elif not lang:
+            assert bash >= 0, f"an output block before any command: {body[:80]}"
+            outputs.append((bash, body))
+    return outputs
+
+
+def printed_by_block(stdout: str) -> dict[int, str]:
+    """What each of the guide's blocks printed, from the script's markers (:func:`guide_script`)."""
+    printed, index = {}, None
+    for line in stdout.splitlines(keepends=True):
+        marker = MARKER.match(line)
+        if marker:
+            index = int(marker[1])
+            printed[index] = ""
+        elif index is not None:
+            printed[index] += line
+    return printed
+
+
+def predictions(text: str) -> dict[str, tuple[str, float]]:
+    """``fedfuse predict``'s rows in ``text``: image -> (class, probability)."""
+    rows = re.findall(r"^(\S+\.png),([^,\s]+),([01]\.\d+)$", text, flags=re.MULTILINE)
+    return {image: (label, float(p)) for image, label, p in rows}
 
 
 def guide_script(blocks: list[str], base: Path, logs: Path) -> str:
@@ -64,6 +87,7 @@ def guide_script(blocks: list[str], base: Path, logs: Path) -> str:
     started in the background and waited for."""
     lines = [
         "set -euo pipefail",
+        "exec 2>&1  # one stream: each block's output follows its marker line",
         "wait_for_log() {  # file, line to wait for, seconds",
         "  local deadline=$((SECONDS + $3))",
         '  until grep -qF -- "$2" "$1" 2>/dev/null; do',
@@ -119,6 +143,27 @@ def test_the_guide_blocks_are_found_and_only_the_base_is_substituted():
     assert any(b.startswith("flwr run . hospitals") for b in blocks)
     assert not any("/srv/" in b for b in blocks if BASE_LINE not in b)  # one base everywhere
     assert not any(re.search(r"(^|\s)cd\s", b) for b in blocks)  # one working directory
+
+
+def test_every_output_the_guide_shows_follows_the_command_that_prints_it():
+    outputs = guide_outputs(GUIDE.read_text())
+    blocks = guide_blocks(GUIDE.read_text())
+    printed_by = [blocks[index].split()[:2] for index, _ in outputs]
+    assert printed_by == [
+        ["fedfuse", "certs"],
+        ["fedfuse", "site-data"],
+        ["fedfuse", "keys"],
+        ["ssh-keygen", "-lf"],
+        ["flwr", "supernode"],
+        ["fedfuse", "site-data"],
+        ["flwr", "run"],
+        ["fedfuse", "status"],
+        ["fedfuse", "predict"],
+        ["flwr", "run"],
+        ["python", "-c"],
+    ]
+    assert len([shown for _, shown in outputs if accuracy_tables(shown)]) == 2
+    assert len(predictions(outputs[8][1])) == 5
 
 
 def test_the_deployment_guide_runs_as_written(tmp_path):
@@ -204,8 +249,23 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     predictions = completed.stdout.split("image,class,probability", 1)[1].split()[:5]
     assert all(row.split(",")[1] in fused["class_names"] for row in predictions), predictions
 
-    # the tables the guide shows are what its two runs printed (its first run and the secure one)
-    printed, shown = accuracy_tables(completed.stdout), accuracy_tables(GUIDE.read_text())
-    assert len(printed) == len(shown) == 2, (len(printed), len(shown))
-    for run_printed, run_shown in zip(printed, shown, strict=True):
-        assert_same_table(run_printed, run_shown)
+    # what the guide shows each command print is what it printed: the two runs' tables with
+    # their tolerances, the predictions' classes and probabilities within 0.05, every other
+    # line as printed (values that differ from run to run aside: tests/shown_outputs.py)
+    by_block = printed_by_block(completed.stdout)
+    blocks = guide_blocks(GUIDE.read_text())
+    (listed,) = [by_block[i] for i, b in enumerate(blocks) if b.startswith("flwr list hospitals")]
+    (run,) = json.loads(listed[listed.index("{") :])["runs"]  # section 10's run, as section 11 says
+    assert run["status"] == "finished:completed"
+    assert abs(run["network-traffic"]["inbound-bytes"] - 7.5e6) < 0.05 * 7.5e6, run
+    for index, shown in guide_outputs(GUIDE.read_text()):
+        printed = by_block[index]
+        if accuracy_tables(shown):
+            (printed_table,), (shown_table,) = accuracy_tables(printed), accuracy_tables(shown)
+            assert_same_table(printed_table, shown_table)
+            continue
+        assert_shows(printed, shown, [(str(base), "/srv/fedfuse")])
+        if predictions(shown):
+            got, want = predictions(printed), predictions(shown)
+            assert {k: c for k, (c, _) in got.items()} == {k: c for k, (c, _) in want.items()}
+            assert all(abs(got[k][1] - p) <= 0.05 for k, (_, p) in want.items()), (got, want)

@@ -14,10 +14,10 @@ def test_values_that_differ_between_runs_become_placeholders():
     )
     assert normalise("├──────┼───┤") == normalise("├───────┼────┤") == "├─┼─┤"
     assert normalise("x/20261125-222149-kf-linear+fedavg-run14579970323181014888/fused") == (
-        "x/<run folder>/fused"
+        "x/<run-folder>/fused"
     )
     assert normalise("sites ran on 2 Ray node(s): 6af05893f508… 3") == (
-        "sites ran on 2 Ray node(s): <ray node>… 3"
+        "sites ran on 2 Ray node(s): <ray-node>… 3"
     )
     assert normalise("scan-0.png,coat,0.267") == "scan-0.png,coat,<probability>"
 
@@ -27,6 +27,7 @@ def test_shown_lines_are_found_in_order_with_elisions_and_placeholders():
     assert_shows(printed, "ok\nsite a node 98765432109 uploaded\n...\nbye", [("/tmp/x", "/srv")])
     assert_shows(printed, "fused: /srv/f", [("/tmp/x", "/srv")])
     assert_shows("joining at 127.0.0.1:41234: 2 node(s)", "joining at 127.0.0.1:<port> 2 node(s)")
+    assert_shows("fused: o/20261129-101010-a+b-run999/f", "fused: o/20261125-222149-a+b-run12/f")
     with pytest.raises(AssertionError, match="the document shows\nbye\nok"):
         assert_shows(printed, "bye\nok")  # in order
     with pytest.raises(AssertionError):
