@@ -19,7 +19,9 @@ fitted weights ``W`` (``fan_in x width``, the bias last) given the design's Gram
   (ReLU is monotone, and the fit stays linear).
 * A **graph level** of a user's traced model (a conv with its BatchNorm, torchvision's
   ``BasicBlock`` with its ``downsample``) is read off its graph as the same kinds of pieces
-  (:mod:`.graph_pieces`).
+  (:mod:`.graph_pieces`); a user's traced Vision Transformer (torchvision's
+  ``VisionTransformer``) as fedfuse's ViT levels (:mod:`.token_levels`), whose encoder blocks
+  are fitted by the encoder pieces below.
 * A **ViT patch embedding** is one: token ``t >= 1`` is ``W p_t + b + pos_t`` (``p_t`` its
   patch), the class token ``cls + pos_0``, affine in the row ``[p_t, e_t]`` (``p_0 = 0``,
   ``e_t`` the one-hot token): the projection and one offset per token (held by the position
