@@ -34,8 +34,9 @@ MAX_RESULTS_BYTES = MAX_JSON_BYTES
 
 
 def describe(report: dict[str, Any]) -> list[str]:
-    """The lines ``fedfuse status`` prints for a run's report (every field from the file shown
-    with its control characters escaped, :func:`~fedfuse.io.text.terminal_safe`).
+    """The lines ``fedfuse status`` prints for a run's report, its sites in partition order
+    (every field from the file shown with its control characters escaped,
+    :func:`~fedfuse.io.text.terminal_safe`).
 
     Raises:
         ValueError: a field is not of the shape a fedfuse run writes (names the field).
@@ -45,9 +46,11 @@ def describe(report: dict[str, Any]) -> list[str]:
     if report.get("error"):
         phase = f" (phase {report['failed_phase']})" if report.get("failed_phase") else ""
         lines.append(f"  why{phase}: {report['error']}")
-    for index, site in enumerate(_list_of_objects(report, "sites")):
+    sites = _list_of_objects(report, "sites")
+    for index, site in enumerate(sites):
         if "status" not in site:
             raise ValueError(f"sites[{index}] has no 'status'")
+    for site in sorted(sites, key=_partition_order):
         name = site.get("site") or (
             f"client {site['partition_id']}" if site.get("partition_id") is not None else "?"
         )
@@ -66,6 +69,14 @@ def describe(report: dict[str, Any]) -> list[str]:
         elif fusion.get("status") == "failed":
             lines.append(f"  fused {name}: FAILED: {fusion.get('error')}")
     return [terminal_safe(line) for line in lines]
+
+
+def _partition_order(site: dict[str, Any]) -> float:
+    """Where a site is listed: by partition id (a run lists them as they answered), a site
+    without one last."""
+    partition = site.get("partition_id")
+    valid = isinstance(partition, int) and not isinstance(partition, bool)
+    return float(partition) if valid else float("inf")
 
 
 def _list_of_objects(report: dict[str, Any], key: str) -> list[dict[str, Any]]:

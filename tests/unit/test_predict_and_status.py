@@ -144,6 +144,13 @@ def test_status_names_the_sites_and_exits_zero_only_when_ok(tmp_path, capsys):
     report["status"] = "ok"
     (run / "results.json").write_text(json.dumps(report))
     assert main(["status", str(run)]) == 0
+    # listed in partition order, whatever order they answered in
+    report["sites"] = [
+        {"partition_id": 2, "node_id": 5, "status": "uploaded"},
+        {"partition_id": 10, "node_id": 6, "status": "uploaded"},
+        {"partition_id": 0, "node_id": 7, "status": "failed"},
+    ]
+    assert [line.split()[2] for line in describe(report)[2:5]] == ["0", "2", "10"]
     assert main(["status", str(tmp_path / "nowhere")]) == 2
     assert "no results.json" in capsys.readouterr().err
 
