@@ -92,3 +92,18 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
             current.append(line[len(indent) :] if line.startswith(indent) else line)
     assert current is None, "an unclosed code block"
     return blocks
+
+
+def without_tables(shown: str) -> str:
+    """``shown`` with each accuracy table (its header and rows, not its ``(test set ...)``
+    line) elided: tables are compared with tolerances, apart."""
+    lines, in_table = [], False
+    for line in shown.splitlines():
+        if line.startswith("model ") and "accuracy" in line:
+            in_table = True
+            lines.append(ELISION)
+        elif in_table and (line.startswith("(test set") or not line.strip()):
+            in_table = False
+        if not in_table:
+            lines.append(line)
+    return "\n".join(lines)

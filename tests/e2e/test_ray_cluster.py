@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,14 @@ import pytest
 from fedfuse.federation.flower_state import stop_process_tree, superlink_pids
 from fedfuse.federation.ray_cluster import RayClusterError, connect
 from fedfuse.io.checkpoint import load_checkpoint
-from tests.helpers import flower_test_env, free_port, patience
+from tests.helpers import (
+    accuracy_tables,
+    assert_same_table,
+    flower_test_env,
+    free_port,
+    patience,
+)
+from tests.shown_outputs import assert_shows, fenced_blocks, without_tables
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +39,8 @@ SMALL = (
     "train-samples=1000 local-epochs=1 score-samples=32 score-steps=4 test-samples=500 "
     "mlp-widths='64,64'"
 )
+#: the run of docs/cluster.md section 5
+RUN_CONFIG = f"{SMALL} strategy='fedavg' min-nodes=3"
 
 
 def _cluster_processes(temp_dir: str, port: int) -> list[int]:
@@ -109,7 +119,7 @@ def test_sites_run_on_both_nodes_and_a_node_killed_mid_run_costs_no_site_its_nam
         *(sys.executable, "-m", "fedfuse.cli.main", "simulate", "--app", str(REPO)),
         *("--num-clients", "8", "--ray-address", two_node_cluster, "--output-dir", str(out)),
         *("--timeout", str(round(patience(600))), "--run-config"),
-        f"{SMALL} strategy='fedavg' min-nodes=3",
+        RUN_CONFIG,
     ]
     log_file, read = tmp_path / "simulate.log", set()
     with open(log_file, "w") as log:
@@ -149,6 +159,45 @@ def test_sites_run_on_both_nodes_and_a_node_killed_mid_run_costs_no_site_its_nam
     assert resent <= 2 * len(sites)  # at most twice per site
     assert report["fusions"]["fedavg"]["status"] == "ok"
     print(f"killed mid-run: {len(sites) - len(lost)} of 8 sites uploaded, {resent} sent again")
+    if report["status"] == "ok":  # what docs/cluster.md section 5 shows (an ok run)
+        _assert_shown_in_the_guide(output, out, env)
+
+
+def _guide_section_5() -> tuple[list[str], str, str]:
+    """docs/cluster.md section 5: its ``fedfuse simulate`` command's words, what the command
+    printed, and what ``fedfuse status`` printed."""
+    blocks = fenced_blocks((REPO / "docs" / "cluster.md").read_text())
+    (index,) = [
+        i
+        for i, (lang, body) in enumerate(blocks)
+        if lang == "bash" and body.startswith("fedfuse simulate --ray-address 127.0.0.1:")
+    ]
+    command, printed, status_command, status = (body for _, body in blocks[index : index + 4])
+    assert status_command == "fedfuse status outputs"
+    return shlex.split(command), printed, status
+
+
+def test_the_guide_shows_the_command_this_test_runs():
+    command, _, _ = _guide_section_5()
+    assert command[command.index("--run-config") + 1] == RUN_CONFIG
+    assert command[command.index("--num-clients") + 1] == "8"
+
+
+def _assert_shown_in_the_guide(output: str, out: Path, env: dict[str, str]) -> None:
+    """What the run and ``fedfuse status`` printed is what docs/cluster.md shows: every line
+    (run-to-run values aside, tests/shown_outputs.py), the accuracies within 3 points."""
+    _, shown, shown_status = _guide_section_5()
+    assert_shows(output, without_tables(shown))
+    assert_same_table(accuracy_tables(output)[-1], accuracy_tables(shown)[0])
+    status = subprocess.run(
+        [sys.executable, "-m", "fedfuse.cli.main", "status", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patience(60),
+    )
+    assert status.returncode == 0, status
+    assert_shows(status.stdout, shown_status, [(str(out), "outputs")])
 
 
 def test_a_cluster_that_does_not_answer_is_named_before_flower_starts(tmp_path):
@@ -164,5 +213,6 @@ def test_a_cluster_that_does_not_answer_is_named_before_flower_starts(tmp_path):
         timeout=patience(120),
     )
     assert completed.returncode != 0
-    assert f"no Ray cluster answers at {address}" in completed.stderr
+    # as docs/cluster.md section 2 quotes it
+    assert f"no Ray cluster answers at {address} (Connection refused)" in completed.stderr
     assert not (tmp_path / "flwr-home").exists()  # Flower never started
