@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _serve() -> None:
     """The server's loop: fork a child per request, reply with its exit status and peak memory."""
+    import gc
     import resource
     import traceback
 
@@ -39,6 +40,10 @@ def _serve() -> None:
     from fedfuse.deploy import predict as deploy_predict  # noqa: F401
     from fedfuse.federation import offline, scenario  # noqa: F401  fuse's and simulate's
 
+    # the server's objects are out of the children's collections: a child's full collection
+    # would otherwise walk (and copy, page by page) the whole inherited heap, costing it time
+    # and making its measured peak depend on what the collector touched
+    gc.freeze()
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the replies
     for line in sys.stdin:

@@ -109,7 +109,10 @@ def check_case(
         report,
     )
     cost = result.peak_bytes - baseline
-    assert cost < MEMORY_LIMIT, f"{case.name}: {cost / 2**20:.0f} MiB over the idle peak"
+    assert cost < MEMORY_LIMIT, (
+        f"{case.name}: {cost / 2**20:.0f} MiB over the idle peak "
+        f"(peak {result.peak_bytes >> 20} MiB, idle {baseline >> 20} MiB)"
+    )
     after = snapshot(folder)
     changed = sorted(k for k, v in before.items() if after.get(k) != v)
     assert not changed, f"{case.name}: changed or removed {changed}"

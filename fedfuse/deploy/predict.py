@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fedfuse.data._common import DataFormatError
 from fedfuse.data.arrays import to_nchw
 from fedfuse.data.image_folder import IMAGE_SUFFIXES, image_files
 from fedfuse.data.images import read_image, resize_images
@@ -126,22 +127,49 @@ def _numbers(value: object, source: str, key: str) -> tuple[float, ...] | None:
     return tuple(value)
 
 
+class LazyImages:
+    """``count`` uint8 images made a slice at a time by ``make(start, stop)``, so the set is
+    never held whole at the model's size: 100,000 tiny files, or 1x1 images in a kB-sized
+    ``.npz``, for a model of 3x512x512 inputs would take 78 GB. ``done()`` runs once the last
+    slice is made. Sliced like an array (``images[a:b]``), as :func:`predict` reads it."""
+
+    def __init__(
+        self,
+        count: int,
+        make: Callable[[int, int], np.ndarray],
+        done: Callable[[], None] | None = None,
+    ):
+        self.count, self._make, self._done = count, make, done
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(self.count)
+        batch = self._make(start, stop)
+        if stop == self.count and self._done is not None:
+            self._done()
+        return batch
+
+
 def read_inputs(
     source: str | Path, shape: tuple[int, int, int], *, max_bytes: int = DEFAULT_MAX_BYTES
-) -> tuple[list[str], np.ndarray]:
+) -> tuple[list[str], np.ndarray | LazyImages]:
     """Images to classify, as uint8 ``(N, *shape)`` with a name for each: every image file
     under a folder (sorted; names relative to it), one image file, or the ``images`` array of an
-    ``.npz`` (named ``<file>:<index>``)."""
+    ``.npz`` (named ``<file>:<index>``). A folder's files are read, and an ``.npz``'s images
+    resized, a batch at a time (:class:`LazyImages`)."""
     source = Path(source).expanduser()
     if source.is_dir():
         files = image_files(source)
         if not files:
             raise ValueError(f"{source}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
-        images = np.empty((len(files), *shape), dtype=np.uint8)
         sizes: Counter[tuple[int, int]] = Counter()
-        for i, path in enumerate(tqdm(files, desc="reading images", unit="image", leave=False)):
-            images[i] = read_image(path, shape, sizes)
-        _warn_resized(source, sizes, shape)
+
+        def read(start: int, stop: int) -> np.ndarray:
+            return np.stack([read_image(path, shape, sizes) for path in files[start:stop]])
+
+        images = LazyImages(len(files), read, lambda: _warn_resized(source, sizes, shape))
         return [str(p.relative_to(source)) for p in files], images
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such image file or folder")
@@ -152,10 +180,19 @@ def read_inputs(
             found = reader.header("images").dtype
             if found != np.uint8:  # pixels 0..255, as site data files hold them
                 raise ValueError(f"{source}: 'images' must be uint8, found {found}")
-            images = to_nchw(reader.read("images"), source)
-        _warn_resized(source, Counter({images.shape[2:]: len(images)}), shape)
-        images = resize_images(images, shape, str(source), max_bytes=max_bytes)
-        return [f"{source.name}:{i}" for i in range(len(images))], images
+            stored = to_nchw(reader.read("images"), source)
+        _warn_resized(source, Counter({stored.shape[2:]: len(stored)}), shape)
+        if stored.shape[1] not in (1, 3) and stored.shape[1:] != shape:
+            raise DataFormatError(
+                f"{source}: cannot convert {stored.shape[1]}-channel images to {shape[0]} "
+                "channel(s)"
+            )
+
+        def resize(start: int, stop: int) -> np.ndarray:
+            return resize_images(stored[start:stop], shape, str(source), max_bytes=max_bytes)
+
+        names = [f"{source.name}:{i}" for i in range(len(stored))]
+        return names, LazyImages(len(stored), resize)
     sizes = Counter()
     image = read_image(source, shape, sizes)
     _warn_resized(source, sizes, shape)
@@ -180,10 +217,14 @@ def _warn_resized(source: Path, sizes: Counter, shape: tuple[int, int, int]) -> 
         )
 
 
+#: most bytes of one batch's float inputs
+BATCH_BYTES = 64 << 20
+
+
 @torch.no_grad()
 def predict(
     model: torch.nn.Module,
-    images: np.ndarray,
+    images: np.ndarray | LazyImages,
     recipe: InputRecipe,
     *,
     batch_size: int = 256,
@@ -197,6 +238,10 @@ def predict(
     std = torch.tensor(recipe.std, device=target).view(1, -1, 1, 1)
     labels: list[int] = []
     probabilities: list[float] = []
+    # a batch's float copies stay near BATCH_BYTES whatever the input size (256 images of
+    # 3x512x512 would take 0.8 GB per copy)
+    per_image = 4 * math.prod(recipe.shape)
+    batch_size = max(1, min(batch_size, BATCH_BYTES // per_image))
     starts = range(0, len(images), batch_size)
     for start in tqdm(starts, desc="classifying", unit="batch", disable=not progress):
         batch = torch.from_numpy(images[start : start + batch_size]).to(target)

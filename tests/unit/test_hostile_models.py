@@ -285,6 +285,15 @@ def _escape_in_image_name(tmp: Path) -> list:
     return _predict(tmp, _png(tmp / f"=HYPERLINK{ESCAPE}.png"))
 
 
+def _tiny_images_for_a_large_model(tmp: Path) -> list:
+    """A 1 kB .npz of 256 1x1 images for a model of 1x768x768 inputs: 0.15 GB resized, then
+    0.6 GB per float copy of one 256-image batch (1.4 GB in all before batches were capped)."""
+    spec = mlp_spec((1, 768, 768), 3, (4,))
+    model = save_checkpoint(tmp / "big.safetensors", build_model(spec, seed=0), metadata=META)
+    np.savez_compressed(tmp / "new.npz", images=np.zeros((256, 1, 1), np.uint8))
+    return ["predict", model, tmp / "new.npz", "--out", tmp / "p.csv"]
+
+
 IMAGES = [
     Case("zero-byte-png", _zero_byte_png, ("scan.png",)),
     Case("truncated-png-in-folder", _truncated_png, ("cut.png",)),
@@ -301,6 +310,12 @@ IMAGES = [
     Case("out-is-the-image", _out_is_the_image, ("--out", "scan.png")),
     Case("out-is-a-folder", _out_is_a_folder, ("results",)),
     Case("escape-sequence-in-image-name", _escape_in_image_name, succeeds=True),
+    Case(
+        "1x1-images-for-768x768-model",
+        _tiny_images_for_a_large_model,
+        succeeds=True,
+        writes=("p.csv",),
+    ),
     Case(
         "out-with-escapes",
         lambda t: [*_predict(t, _png(t / "scan.png")), "--out", t / f"p{ESCAPE}.csv"],
