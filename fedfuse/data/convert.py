@@ -255,6 +255,11 @@ def from_arrays(
         raise DataFormatError(
             f"{images_path} holds {len(images)} images but {labels_path} {len(labels)} labels"
         )
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):  # before resizing
+        raise DataFormatError(
+            f"{labels_path}: labels span {labels.min()}..{labels.max()}, "
+            f"num_classes is {num_classes}"
+        )
     return _resized_site_dataset(
         images,
         labels,

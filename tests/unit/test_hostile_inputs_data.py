@@ -136,7 +136,7 @@ ARRAYS = [
     Case("negative-label-count", _negative_label_count, ("labels.npy", "negative")),
     Case("fortran-order-images", _fortran_order_images, succeeds=True, writes=("o.npz",)),
     Case("text-images", _text_images, ("images", "uint8")),
-    Case("label-2**62", _label_2_to_the_62, ("labels",)),
+    Case("label-2**62", _label_2_to_the_62, ("labels.npy", "labels span")),
     Case("nan-labels", _nan_labels, ("labels",)),
     Case("npy-v2-header-length-4-GB", _header_length_4_gb, ("images.npy",)),
     Case("images-link-to-dev-zero", _images_link_to_dev_zero, ("images.npy",)),
