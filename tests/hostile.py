@@ -55,6 +55,8 @@ class Case:
     succeeds: bool = False
     #: files the command may write (relative to the folder), when it succeeds
     writes: tuple[str, ...] = field(default_factory=tuple)
+    #: text its standard output must hold, when it succeeds
+    printed: tuple[str, ...] = ()
 
 
 def table(cases: list[Case]) -> dict:
@@ -120,6 +122,8 @@ def check_case(
     if case.succeeds:
         assert result.returncode == 0, report
         assert set(new) <= set(case.writes), (new, report)
+        for text in case.printed:
+            assert text in result.stdout, (text, result.stdout[-2000:])
         return
     assert result.returncode != 0, report
     assert not new, f"{case.name}: a refused command left {new}"

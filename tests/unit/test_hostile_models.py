@@ -309,7 +309,12 @@ IMAGES = [
     Case("out-is-the-checkpoint", _out_is_the_checkpoint, ("--out", "m.safetensors")),
     Case("out-is-the-image", _out_is_the_image, ("--out", "scan.png")),
     Case("out-is-a-folder", _out_is_a_folder, ("results",)),
-    Case("escape-sequence-in-image-name", _escape_in_image_name, succeeds=True),
+    Case(
+        "escape-sequence-in-image-name",
+        _escape_in_image_name,
+        succeeds=True,
+        printed=("'=HYPERLINK\\x1b]0;pwned\\x07\\x1b[2J.png,",),  # a formula quoted, escaped
+    ),
     Case(
         "1x1-images-for-768x768-model",
         _tiny_images_for_a_large_model,
@@ -321,6 +326,7 @@ IMAGES = [
         lambda t: [*_predict(t, _png(t / "scan.png")), "--out", t / f"p{ESCAPE}.csv"],
         succeeds=True,
         writes=(f"p{ESCAPE}.csv",),
+        printed=("wrote", "\\x1b]0;pwned"),
     ),
 ]
 
