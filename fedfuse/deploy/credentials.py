@@ -77,6 +77,15 @@ def _write(path: Path, data: bytes, *, private: bool, force: bool) -> Path:
     return path
 
 
+def _output_folder(directory: str | Path) -> Path:
+    """``directory`` as a path, refused when something other than a folder is there (writing
+    into it would fail half-way, ``[Errno 17] File exists``)."""
+    directory = Path(directory).expanduser()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{directory}: exists and is not a folder; give --out a folder")
+    return directory
+
+
 def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM,
@@ -195,7 +204,7 @@ def make_server_certificates(
         FileExistsError: ``server.key`` or ``server.pem`` exists and ``force`` is false.
         ValueError: a host is not a DNS name or IP address, or the existing CA is unusable.
     """
-    directory = Path(directory).expanduser()
+    directory = _output_folder(directory)
     names = list(dict.fromkeys([*hosts, *(LOOPBACK_NAMES if loopback else ())]))
     if not names:
         raise ValueError("give at least one host name or IP address for the server certificate")
@@ -278,7 +287,7 @@ def make_supernode_keys(
         FileExistsError: a key file exists and ``force`` is false (nothing is written then).
         ValueError: a name is not a plain file name or is repeated.
     """
-    directory = Path(directory).expanduser()
+    directory = _output_folder(directory)
     if not names:
         raise ValueError("give at least one site name")
     for name in names:

@@ -310,7 +310,12 @@ CREDENTIALS = [
         "certs-host-with-escapes", lambda t: _certs(t, "--host", f"a{ESCAPE}b"), ("host", "\\x1b")
     ),
     Case("certs-host-300-letters", lambda t: _certs(t, "--host", "a" * 300 + ".example"), ("aaa",)),
-    Case("certs-out-is-a-file", _certs_out_is_a_file, ("pki",)),
+    Case("certs-out-is-a-file", _certs_out_is_a_file, ("pki", "not a folder")),
+    Case(
+        "keys-out-is-a-file",
+        lambda t: ["keys", "site-0", "--out", write(t / "k", "not a folder")],
+        ("k:", "not a folder"),
+    ),
     Case(
         "certs-out-with-escapes",
         lambda t: ["certs", "--out", t / f"pki{ESCAPE}", "--host", "a.example"],
