@@ -104,9 +104,9 @@ class Segment:
         root: dict[str, object] = {}
         for target in self.targets:
             try:
-                root[target] = _attribute(model, target)
+                root[target] = operator.attrgetter(target)(model)
             except AttributeError:
-                root[target] = _attribute(constants, target)
+                root[target] = operator.attrgetter(target)(constants)
         return fx.GraphModule(root, self.graph, class_name="GraphLevel")
 
 
@@ -146,13 +146,6 @@ def _segment(source: fx.Node, members: list[fx.Node]) -> Segment:
     return Segment(source.name, tuple(n.name for n in members), graph, targets)
 
 
-def _attribute(root: nn.Module, path: str) -> object:
-    value: object = root
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def describe(node: fx.Node, root: nn.Module | None = None) -> str:
     """The operation of ``node`` in a few words: a module's class, a function's name."""
     if node.op == "call_module" and root is not None:
@@ -161,3 +154,28 @@ def describe(node: fx.Node, root: nn.Module | None = None) -> str:
     if target is operator.add:
         return "add"
     return getattr(target, "__name__", None) or str(target)
+
+
+def joined(first: fx.GraphModule, second: fx.GraphModule) -> fx.GraphModule:
+    """One graph level running ``first`` then ``second``, over the same modules."""
+    graph = fx.Graph()
+    value: fx.Node | None = None
+    root: dict[str, object] = {}
+    for part in (first, second):
+        env: dict[fx.Node, fx.Node] = {}
+        for node in part.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = value if value is not None else graph.placeholder("x")
+            elif node.op == "output":
+                value = env[node.args[0]]
+            else:
+                env[node] = graph.node_copy(node, lambda n, e=env: e[n])
+                if node.op in ("call_module", "get_attr"):
+                    root[str(node.target)] = operator.attrgetter(str(node.target))(part)
+    assert value is not None
+    graph.output(value)
+    result = fx.GraphModule(root, graph, class_name="GraphLevel")
+    labels = [getattr(p, "label", None) for p in (first, second)]
+    if all(labels):
+        result.label = "+".join(str(label) for label in labels)
+    return result

@@ -253,8 +253,8 @@ def _patchwise(conv: nn.Conv2d) -> bool:
 def _shapes_fit(shapes: list, level: fx.GraphModule, token: fx.Node, position: fx.Node) -> bool:
     conv, flat, tokens, out = shapes
     n, d, h, w = conv
-    cls = _attribute(level, str(token.target))
-    pos = _attribute(level, str(position.target))
+    cls = operator.attrgetter(str(token.target))(level)
+    pos = operator.attrgetter(str(position.target))(level)
     return (
         flat == (n, d, h * w)
         and tokens == (n, h * w, d)
@@ -286,13 +286,6 @@ def read_head(level: fx.GraphModule) -> tuple[str, str] | None:
         return None
     norm = _norm(level, norm_node, norm_node.args[0])
     return (norm, str(out.target)) if norm is not None else None
-
-
-def _attribute(root: nn.Module, path: str) -> object:
-    value: object = root
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
 
 
 # ------------------------------------------------------------------------------ refusals

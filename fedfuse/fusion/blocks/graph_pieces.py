@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from fedfuse.fusion.blocks.linear_piece import LinearPiece, output_moments, set_batchnorm
+from fedfuse.fusion.blocks.token_levels import token_levels
 from fedfuse.models.affine import AffineLevel, affine_view, output_rows
 from fedfuse.models.channel_ops import (
     ACTIVATION_FUNCTIONS,
@@ -41,6 +42,7 @@ from fedfuse.models.channel_ops import (
     CHANNELWISE_MODULES,
     FLATTENS,
 )
+from fedfuse.models.graph_levels import joined
 from fedfuse.models.leveled import LeveledModel
 
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
@@ -289,8 +291,6 @@ def fold_norm_levels(model: LeveledModel) -> tuple[LeveledModel, dict[int, int]]
     the view's level of each of ``model``'s levels. ``model`` itself (identity map) when nothing
     folds. Levels with an identity shortcut are marked residual
     (:meth:`LeveledModel.is_residual`)."""
-    from fedfuse.fusion.blocks.token_levels import token_levels
-
     tokens = token_levels(list(model.levels))
     source, first = tokens if tokens is not None else (list(model.levels), None)
     levels: list[nn.Module] = []
@@ -321,38 +321,6 @@ def fold_norm_levels(model: LeveledModel) -> tuple[LeveledModel, dict[int, int]]
     )
     view.spec = replace(model.spec, widths=widths[:-1])
     return view, where
-
-
-def joined(first: fx.GraphModule, second: fx.GraphModule) -> fx.GraphModule:
-    """One graph level running ``first`` then ``second``, over the same modules."""
-    graph = fx.Graph()
-    value: fx.Node | None = None
-    root: dict[str, object] = {}
-    for part in (first, second):
-        env: dict[fx.Node, fx.Node] = {}
-        for node in part.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = value if value is not None else graph.placeholder("x")
-            elif node.op == "output":
-                value = env[node.args[0]]
-            else:
-                env[node] = graph.node_copy(node, lambda n, e=env: e[n])
-                if node.op in ("call_module", "get_attr"):
-                    root[str(node.target)] = _attribute(part, str(node.target))
-    assert value is not None
-    graph.output(value)
-    result = fx.GraphModule(root, graph, class_name="GraphLevel")
-    labels = [getattr(p, "label", None) for p in (first, second)]
-    if all(labels):
-        result.label = "+".join(str(label) for label in labels)
-    return result
-
-
-def _attribute(root: nn.Module, path: str) -> object:
-    value: object = root
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
 
 
 __all__ = [

@@ -19,6 +19,8 @@ and returns levels over the same modules with fedfuse's ViT interface, tokens ch
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -33,7 +35,7 @@ from fedfuse.fusion.blocks.graph_attention import (
 )
 from fedfuse.fusion.blocks.linear_piece import LinearPiece
 from fedfuse.models.affine import AffineLevel, output_rows
-from fedfuse.models.graph_levels import describe
+from fedfuse.models.graph_levels import describe, joined
 
 
 class _Projection:
@@ -100,11 +102,11 @@ class TokenEmbedding(TokenLevel):
 
     @property
     def class_token(self) -> nn.Parameter:
-        return _attribute(self.part, self.paths[1])
+        return operator.attrgetter(self.paths[1])(self.part)
 
     @property
     def position(self) -> nn.Parameter:
-        return _attribute(self.part, self.paths[2])
+        return operator.attrgetter(self.paths[2])(self.part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.part(x).transpose(1, 2)
@@ -195,8 +197,6 @@ def token_levels(levels: list[nn.Module]) -> tuple[list[nn.Module], dict[int, in
     """``levels`` (a traced model's graph levels) as a :class:`TokenEmbedding`, a
     :class:`TokenEncoder` per block and a :class:`TokenHead`, over the same modules, and the new
     level of each old one; None unless the whole model is such a transformer."""
-    from fedfuse.fusion.blocks.graph_pieces import joined
-
     starts = [i for i, level in enumerate(levels) if read_attention(level) is not None]
     if not starts or not all(isinstance(level, fx.GraphModule) for level in levels):
         return None
@@ -235,8 +235,6 @@ def token_refusal(levels: list[nn.Module]) -> tuple[int, str] | None:
     (:func:`~.graph_attention.read_attention`) but are not as :func:`token_levels` reads them:
     the first level of the part that is not, and why (naming its first op no piece takes, when
     one is); else None."""
-    from fedfuse.fusion.blocks.graph_pieces import joined
-
     starts = [i for i, level in enumerate(levels) if read_attention(level) is not None]
     if not starts or token_levels(levels) is not None:
         return None
@@ -270,13 +268,6 @@ def _chain(levels: list[nn.Module], join) -> fx.GraphModule:
 
 def _common(first: str, second: str) -> str:
     return first if first == second else f"{first}+{second}"
-
-
-def _attribute(root: nn.Module, path: str):
-    value: object = root
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
 
 
 # ------------------------------------------------------------------------------ pieces
