@@ -22,7 +22,7 @@ from fedfuse.deploy.credentials import (
 )
 from fedfuse.io.atomic import refuse_overwriting_inputs
 from fedfuse.io.limits import DEFAULT_MAX_BYTES, DEFAULT_MAX_CLASSES, DEFAULT_MAX_SIDE, format_bytes
-from fedfuse.io.text import terminal_safe
+from fedfuse.io.text import one_line, terminal_safe
 from fedfuse.settings.bounds import Range
 
 if TYPE_CHECKING:
@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
 # ------------------------------------------------------------------------------------- CLI
 def _fail(command: str, error: Exception) -> int:
-    from fedfuse.cli.main import one_line
-
     print(f"fedfuse {command}: error: {one_line(error)}", file=sys.stderr)
     return 2
 

@@ -16,6 +16,7 @@ from typing import NoReturn
 # light modules: each imports PyTorch (and the fusion, data and model stack) only in the
 # handler of a command that needs it, so parsing and the light commands stay fast
 from fedfuse.cli import deploy, doctor, fuse, methods, predict, run_app, simulate, speed, status
+from fedfuse.io.text import one_line
 
 log = logging.getLogger(__name__)
 
@@ -152,18 +153,6 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("fedfuse %s failed", args.command)
         print(f"fedfuse {args.command}: error: {one_line(error)}", file=sys.stderr)
         return 2
-
-
-def one_line(error: BaseException) -> str:
-    """An exception as one line: its message's lines joined, its type named when unclear, and
-    control characters (from a file's name or contents) shown escaped, never sent raw."""
-    from fedfuse.io.text import terminal_safe
-
-    lines = str(error).split("\n")  # only newlines part lines: a CR or ESC is shown escaped
-    text = "; ".join(terminal_safe(line.strip()) for line in lines if line.strip())
-    if not text or not isinstance(error, ValueError | OSError):
-        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return text[:2000]
 
 
 if __name__ == "__main__":

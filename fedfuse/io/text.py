@@ -23,5 +23,15 @@ def terminal_safe(text: object) -> str:
     )
 
 
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its message's lines joined, its type named when unclear, and
+    control characters (from a file's name or contents) shown escaped, never sent raw."""
+    lines = str(error).split("\n")  # only newlines part lines: a CR or ESC is shown escaped
+    text = "; ".join(terminal_safe(line.strip()) for line in lines if line.strip())
+    if not text or not isinstance(error, ValueError | OSError):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text[:2000]
+
+
 def _escaped(character: str) -> str:
     return character.encode("unicode_escape").decode("ascii")
