@@ -76,7 +76,7 @@ def printed_by_block(stdout: str) -> dict[int, str]:
     return printed
 
 
-def predictions(text: str) -> dict[str, tuple[str, float]]:
+def prediction_rows(text: str) -> dict[str, tuple[str, float]]:
     """``fedfuse predict``'s rows in ``text``: image -> (class, probability)."""
     rows = re.findall(r"^(\S+\.png),([^,\s]+),([01]\.\d+)$", text, flags=re.MULTILINE)
     return {image: (label, float(p)) for image, label, p in rows}
@@ -163,7 +163,7 @@ def test_every_output_the_guide_shows_follows_the_command_that_prints_it():
         ["python", "-c"],
     ]
     assert len([shown for _, shown in outputs if accuracy_tables(shown)]) == 2
-    assert len(predictions(outputs[8][1])) == 5
+    assert len(prediction_rows(outputs[8][1])) == 5
 
 
 def test_the_deployment_guide_runs_as_written(tmp_path):
@@ -249,13 +249,18 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
     predictions = completed.stdout.split("image,class,probability", 1)[1].split()[:5]
     assert all(row.split(",")[1] in fused["class_names"] for row in predictions), predictions
 
-    # what the guide shows each command print is what it printed: the two runs' tables with
-    # their tolerances, the predictions' classes and probabilities within 0.05, every other
-    # line as printed (values that differ from run to run aside: tests/shown_outputs.py)
-    by_block = printed_by_block(completed.stdout)
+    assert_outputs_shown(completed.stdout, base)
+
+
+def assert_outputs_shown(stdout: str, base: Path) -> None:
+    """What the guide shows each command print is what the guide's run printed (``stdout``,
+    with its base folder ``base``): the two runs' tables with their tolerances, the
+    predictions' classes and probabilities within 0.05, every other line as printed (values
+    that differ from run to run aside: tests/shown_outputs.py); and section 11's traffic."""
+    by_block = printed_by_block(stdout)
     blocks = guide_blocks(GUIDE.read_text())
     (listed,) = [by_block[i] for i, b in enumerate(blocks) if b.startswith("flwr list hospitals")]
-    (run,) = json.loads(listed[listed.index("{") :])["runs"]  # section 10's run, as section 11 says
+    (run,) = json.loads(listed[listed.index("{") :])["runs"]  # section 10's run
     assert run["status"] == "finished:completed"
     assert abs(run["network-traffic"]["inbound-bytes"] - 7.5e6) < 0.05 * 7.5e6, run
     for index, shown in guide_outputs(GUIDE.read_text()):
@@ -265,7 +270,7 @@ def test_the_deployment_guide_runs_as_written(tmp_path):
             assert_same_table(printed_table, shown_table)
             continue
         assert_shows(printed, shown, [(str(base), "/srv/fedfuse")])
-        if predictions(shown):
-            got, want = predictions(printed), predictions(shown)
+        if prediction_rows(shown):
+            got, want = prediction_rows(printed), prediction_rows(shown)
             assert {k: c for k, (c, _) in got.items()} == {k: c for k, (c, _) in want.items()}
             assert all(abs(got[k][1] - p) <= 0.05 for k, (_, p) in want.items()), (got, want)
