@@ -1,13 +1,18 @@
-"""A user's own small CNN, fused as it is: the Flower PyTorch template's ``Net`` on Fashion-MNIST.
+"""Users' own models, fused as they are: Flower's template ``Net``, torchvision's ResNet-18 and a
+small torchvision ViT on Fashion-MNIST (:mod:`fedfuse.experiments.user_models`).
 
-Each site trains its own ``TemplateNet`` (independently initialised) on its share of a sharded
-or Dirichlet split; the server holds 400 training images of site 0 (skewed, as fedfuse's
-default). Every method that accepts the plain model fuses the sites' ``Net``\\ s through
-:class:`fedfuse.models.ModelAdapter` and gets a ``Net`` back; the table compares them with the
-best single site and the ensemble, mean ± std over seeds.
+Each site trains its own model (independently initialised) on its share of a sharded or
+Dirichlet split; the server holds 400 training images of site 0 (skewed, as fedfuse's
+default). Every listed method fuses the sites' models through
+:class:`fedfuse.models.ModelAdapter` and gets the user's class back; ``kf-sites`` and
+``hf-sites`` fit on each site's own training data (statistics rounds, in-process). The table
+compares them with the best single site and the ensemble, mean ± std over seeds. With ``--own``
+fedfuse's own architecture of the same shape (:data:`~.user_models.OWN_SPECS`) is trained with
+the same recipe on the same split and fused by the same methods (rows ``own ...``).
 
 Run: ``python -m fedfuse.experiments.plain_models --sites 2 --seeds 0 1 2`` (prints a Markdown
-table and writes it as JSON beside ``--output``).
+table and writes it as JSON beside ``--output``); ``--model resnet18 --own`` for torchvision's
+ResNet-18 beside fedfuse's.
 """
 
 from __future__ import annotations
@@ -17,17 +22,18 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fedfuse.data import ImageDataset, load_dataset
+from fedfuse.experiments.user_models import OWN_SPECS, USER_MODELS, TemplateNet  # noqa: F401  (TemplateNet: re-exported for the example app)
 from fedfuse.federation.evaluation import evaluate_fusion
-from fedfuse.fusion import FusionInputs, make_fusion_method
+from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.methods.regression.regmean import level_grams
-from fedfuse.models import ModelAdapter, importance_scores
+from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores
 from fedfuse.partitions import partition_labels, sample_fusion_set
 from fedfuse.runtime import configure_logging
 from fedfuse.training.loop import TrainConfig, train
@@ -37,26 +43,22 @@ log = logging.getLogger(__name__)
 #: the methods that take a plain chain model, each with the extras it reads
 METHODS = ("fedavg", "otfusion", "git-rebasin", "hf-linear", "kf-linear", "regmean", "kd")
 
+#: the methods measured on torchvision's models: those that take fedfuse's own ResNet and ViT
+#: and fuse without training (kd, linear-probe and dense train on the server)
+TORCHVISION_METHODS = (
+    "fedavg",
+    "otfusion",
+    "git-rebasin",
+    "regmean",
+    "hf-linear",
+    "kf-linear",
+    "kf-trust",
+    "hf-sites",
+    "kf-sites",
+)
 
-class TemplateNet(nn.Module):
-    """The CNN of Flower's PyTorch template, sized for 28x28x1 inputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 4 * 4, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = x.view(-1, 16 * 4 * 4)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+#: site extras a method reads (the rest read the weights, the fusion set and sample counts)
+_SITE_DATA = ("kf-sites", "hf-sites")
 
 
 def run_seed(
@@ -69,48 +71,88 @@ def run_seed(
     train_set: ImageDataset,
     test_set: ImageDataset,
     methods: tuple[str, ...] = METHODS,
+    model: str = "template",
+    own: bool = False,
+    train_samples: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """One seed: train the sites, fuse with every method, evaluate; accuracy and fusion time."""
+    """One seed: train the sites, fuse with every method, evaluate; accuracy and fusion time.
+
+    ``model`` names a :data:`~.user_models.USER_MODELS` entry; ``own`` adds fedfuse's own
+    architecture of its shape, trained and fused alike (rows prefixed ``own``);
+    ``train_samples`` caps each site's training share (0: all of it)."""
     labels = train_set.labels.numpy()
     options = {"alpha_min": 0.5} if partitioner == "dirichlet" else {}
     parts = partition_labels(partitioner, labels, sites, seed=seed, **options)
     fusion_index = sample_fusion_set(labels, parts, fusion_samples, source=0, seed=seed)
-    adapter = ModelAdapter(TemplateNet, train_set.input_shape).register()
-    nets, scores, grams, counts = [], [], [], []
-    for site, part in enumerate(parts):
+    if train_samples > 0:
+        generator = torch.Generator().manual_seed(seed)
+        parts = [
+            p[torch.randperm(len(p), generator=generator)[:train_samples].numpy()] for p in parts
+        ]
+    shares = [train_set.subset(part) for part in parts]
+    fusion = train_set.subset(fusion_index)
+    builders: dict[str, Callable[[], nn.Module]] = {"": USER_MODELS[model]}
+    if own:
+        spec = OWN_SPECS[model]
+        builders["own "] = lambda: build_model(spec)
+    row: dict[str, dict[str, float]] = {}
+    needs = set().union(*(make_fusion_method(name).needs() for name in methods))
+    for prefix, build in builders.items():
+        nets, extras = _trained_sites(build, shares, train_set.input_shape, seed, epochs, needs)
+        inputs = FusionInputs(
+            data=fusion.inputs(),
+            labels=fusion.labels,
+            sample_counts=[len(share) for share in shares],
+            **extras,
+        )
+        fused, seconds = {}, {}
+        for name in methods:
+            method = make_fusion_method(name)
+            if method.max_models is not None and sites > method.max_models:
+                continue
+            started = time.perf_counter()
+            fused[name] = method.fuse(nets, inputs).model
+            seconds[name] = time.perf_counter() - started
+        evaluation = evaluate_fusion(nets, fused, test_set, device="cpu")
+        row[f"{prefix}best site"] = {"accuracy": max(b["accuracy"] for b in evaluation["base"])}
+        row[f"{prefix}ensemble"] = {"accuracy": evaluation["ensemble"]["accuracy"]}
+        for name, result in evaluation["fused"].items():
+            row[f"{prefix}{name}"] = {"accuracy": result["accuracy"], "seconds": seconds[name]}
+    return row
+
+
+def _trained_sites(
+    build: Callable[[], nn.Module],
+    shares: list[ImageDataset],
+    input_shape: tuple[int, ...],
+    seed: int,
+    epochs: int,
+    needs: set[str],
+) -> tuple[list[nn.Module], dict]:
+    """Each site's model trained on its share, and what the sites send besides the weights
+    that the methods read (``needs``): DeepLIFT scores on 512 of its samples, Gram matrices,
+    and their data for statistics rounds."""
+    adapter = None
+    if not isinstance(build(), LeveledModel):  # a user's class, traced once
+        adapter = ModelAdapter(build, input_shape).register()
+    nets, scores, grams = [], [], []
+    for site, data in enumerate(shares):
         torch.manual_seed(seed * 1000 + site)
-        net = TemplateNet()
-        data = train_set.subset(part)
+        net = build()
         train(net, data, TrainConfig(epochs=epochs), seed=seed * 1000 + site, progress=False)
         net.eval()
-        leveled = adapter.adapt(net)
-        sample = data.inputs(torch.randperm(len(data))[:512].numpy())
-        scores.append(importance_scores(leveled, sample, method="deeplift"))
-        grams.append(level_grams(leveled, data.inputs()))
+        leveled = net if adapter is None else adapter.adapt(net)
+        generator = torch.Generator().manual_seed(seed * 1000 + site)
+        sample_rows = data.inputs(torch.randperm(len(data), generator=generator)[:512].numpy())
+        if "scores" in needs:
+            scores.append(importance_scores(leveled, sample_rows, method="deeplift"))
+        if "grams" in needs:
+            grams.append(level_grams(leveled, data.inputs()))
         nets.append(net)
-        counts.append(len(data))
-    fusion = train_set.subset(fusion_index)
-    inputs = FusionInputs(
-        data=fusion.inputs(),
-        labels=fusion.labels,
-        scores=scores,
-        sample_counts=counts,
-        grams=grams,
-    )
-    fused, seconds = {}, {}
-    for name in methods:
-        method = make_fusion_method(name)
-        if method.max_models is not None and sites > method.max_models:
-            continue  # hf-linear and git-rebasin fuse two models
-        started = time.perf_counter()
-        fused[name] = method.fuse(nets, inputs).model
-        seconds[name] = time.perf_counter() - started
-    evaluation = evaluate_fusion(nets, fused, test_set, device="cpu")
-    row = {"best site": {"accuracy": max(b["accuracy"] for b in evaluation["base"])}}
-    row["ensemble"] = {"accuracy": evaluation["ensemble"]["accuracy"]}
-    for name, result in evaluation["fused"].items():
-        row[name] = {"accuracy": result["accuracy"], "seconds": seconds[name]}
-    return row
+    extras: dict = {"scores": scores or None, "grams": grams or None}
+    if "sites" in needs:
+        extras["sites"] = LocalSites(nets, [data.inputs() for data in shares])
+    return nets, extras
 
 
 def summarise(rows: list[dict[str, dict[str, float]]]) -> str:
@@ -133,10 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--fusion-samples", type=int, default=400)
     parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--model", default="template", choices=sorted(USER_MODELS))
+    parser.add_argument(
+        "--own", action="store_true", help="also fedfuse's own architecture of the model's shape"
+    )
+    parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
+    parser.add_argument("--methods", default=None, help="comma list (default: by model)")
     parser.add_argument("--output", default="bench-results/plain-models.json")
     args = parser.parse_args(argv)
     configure_logging()
     train_set, test_set = load_dataset(args.dataset, "train"), load_dataset(args.dataset, "test")
+    default = METHODS if args.model == "template" else TORCHVISION_METHODS
     rows = []
     for seed in args.seeds:
         rows.append(
@@ -148,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                 fusion_samples=args.fusion_samples,
                 train_set=train_set,
                 test_set=test_set,
+                methods=tuple(args.methods.split(",")) if args.methods else default,
+                model=args.model,
+                own=args.own,
+                train_samples=args.train_samples,
             )
         )
         log.info("seed %d: %s", seed, json.dumps(rows[-1]))

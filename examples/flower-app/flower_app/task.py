@@ -10,10 +10,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedfuse.data import load_dataset
-from fedfuse.experiments.plain_models import TemplateNet
+from fedfuse.experiments.user_models import (  # noqa: F401  (the models Net may be)
+    TemplateNet,
+    torchvision_resnet18,
+    torchvision_vit,
+)
 
 #: the model of Flower's PyTorch template (simple CNN adapted from 'PyTorch: A 60 Minute Blitz'),
-#: for 28x28 grey images; fedfuse's plain-model experiments train the same network
+#: for 28x28 grey images; fedfuse's plain-model experiments train the same network. To fuse
+#: torchvision's ResNet-18 or a small VisionTransformer instead, set ``Net = torchvision_resnet18``
+#: (or ``torchvision_vit``): nothing else changes.
 Net = TemplateNet
 
 
