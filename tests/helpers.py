@@ -86,6 +86,38 @@ def permuted_copy(model: LeveledModel, seed: int = 0) -> LeveledModel:
     return permuted
 
 
+def prototype_task(
+    samples: int, seed: int, shape: tuple[int, ...], classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples`` noisy images of ``classes`` fixed prototypes, drawn with ``seed``: a task a
+    small model learns in a few dozen steps."""
+    prototypes = torch.randn(classes, *shape, generator=torch.Generator().manual_seed(7))
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (samples,), generator=generator)
+    return prototypes[labels] + 1.5 * torch.randn(samples, *shape, generator=generator), labels
+
+
+def trained_on_prototypes(
+    model: torch.nn.Module,
+    seed: int,
+    shape: tuple[int, ...],
+    classes: int,
+    *,
+    lr: float,
+    steps: int,
+) -> torch.nn.Module:
+    """``model`` trained by Adam on 256 rows of :func:`prototype_task` (its seed ``seed``), in
+    batches of 64; returned in eval mode."""
+    x, y = prototype_task(256, seed, shape, classes)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    for step in range(steps):
+        batch = slice(64 * (step % 4), 64 * (step % 4 + 1))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+    return model.eval()
+
+
 def patience(seconds: float) -> float:
     """``seconds`` of wall time for a test's subprocess or wait, scaled to how busy the machine
     is: times the load per core when that is above 1 (other work on the same cores stretches

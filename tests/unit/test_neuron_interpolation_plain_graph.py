@@ -15,6 +15,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels, read_block
 from fedfuse.models import ModelAdapter
+from tests.helpers import prototype_task, trained_on_prototypes
 
 SHAPE = (1, 16, 16)
 CLASSES = 4
@@ -42,24 +43,13 @@ class SmallResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def _task(samples: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images of ``CLASSES`` noisy prototypes (fixed by the generator's first draw)."""
-    prototypes = torch.randn(CLASSES, *SHAPE, generator=torch.Generator().manual_seed(7))
-    labels = torch.randint(0, CLASSES, (samples,), generator=generator)
-    return prototypes[labels] + 1.5 * torch.randn(samples, *SHAPE, generator=generator), labels
+def _task(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return prototype_task(samples, seed, SHAPE, CLASSES)
 
 
 def _trained(seed: int) -> SmallResNet:
     torch.manual_seed(seed)
-    model = SmallResNet()
-    x, y = _task(256, torch.Generator().manual_seed(seed))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    for step in range(32):
-        batch = slice(64 * (step % 4), 64 * (step % 4 + 1))
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
-        optimizer.step()
-    return model.eval()
+    return trained_on_prototypes(SmallResNet(), seed, SHAPE, CLASSES, lr=0.01, steps=32)
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +59,12 @@ def sites():
 
 @pytest.fixture(scope="module")
 def fusion_set():
-    return _task(160, torch.Generator().manual_seed(99))
+    return _task(160, 99)
 
 
 def _site_data(seed: int) -> torch.Tensor:
     """The inputs a site trained on (``_trained``'s)."""
-    return _task(256, torch.Generator().manual_seed(seed))[0]
+    return _task(256, seed)[0]
 
 
 def test_the_levels_are_read_as_pieces_and_the_identity_blocks_as_residual():

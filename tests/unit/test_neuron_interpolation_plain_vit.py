@@ -15,6 +15,7 @@ from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.blocks.token_levels import TokenEmbedding, TokenEncoder, TokenHead
 from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores, make_spec
+from tests.helpers import prototype_task, trained_on_prototypes
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -28,24 +29,13 @@ class SmallViT(VisionTransformer):
         self.conv_proj = nn.Conv2d(1, 32, 7, 7)
 
 
-def _task(samples: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images of ``CLASSES`` noisy prototypes (fixed by the generator's first draw)."""
-    prototypes = torch.randn(CLASSES, *SHAPE, generator=torch.Generator().manual_seed(7))
-    labels = torch.randint(0, CLASSES, (samples,), generator=generator)
-    return prototypes[labels] + 1.5 * torch.randn(samples, *SHAPE, generator=generator), labels
+def _task(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return prototype_task(samples, seed, SHAPE, CLASSES)
 
 
 def _trained(seed: int) -> SmallViT:
     torch.manual_seed(seed)
-    model = SmallViT()
-    x, y = _task(256, torch.Generator().manual_seed(seed))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
-    for step in range(48):
-        batch = slice(64 * (step % 4), 64 * (step % 4 + 1))
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
-        optimizer.step()
-    return model.eval()
+    return trained_on_prototypes(SmallViT(), seed, SHAPE, CLASSES, lr=0.003, steps=48)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def sites():
 
 @pytest.fixture(scope="module")
 def fusion_set():
-    return _task(160, torch.Generator().manual_seed(99))
+    return _task(160, 99)
 
 
 def test_the_levels_are_read_as_fedfuses_vit_levels():
@@ -177,7 +167,7 @@ def test_a_part_no_piece_reads_is_refused_naming_the_level_and_the_op(model, sha
 def test_kf_sites_takes_it_too(sites, fusion_set):
     """The sites' statistics rounds fold the model as the server does, into the same levels."""
     data, labels = fusion_set
-    site_data = [_task(256, torch.Generator().manual_seed(seed))[0] for seed in (0, 1)]
+    site_data = [_task(256, seed)[0] for seed in (0, 1)]
     inputs = FusionInputs(
         data, labels=labels, sites=LocalSites(sites, site_data), sample_counts=[256, 256]
     )

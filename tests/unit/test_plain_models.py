@@ -23,18 +23,16 @@ def fashion():
     )
 
 
-def test_three_sites_fuse_the_template_cnn_with_every_method_that_takes_it(fashion):
+def _seed_0(fashion, **options) -> dict[str, dict[str, float]]:
+    """Seed 0 of the benchmark on the subsets: sharded sites, 1 epoch, 60 fusion rows."""
     train, test = fashion
-    row = plain_models.run_seed(
-        0,
-        sites=3,
-        partitioner="sharded",
-        epochs=1,
-        fusion_samples=60,
-        train_set=train,
-        test_set=test,
-        methods=("fedavg", "hf-linear", "git-rebasin", "kf-linear", "regmean"),
-    )
+    options = {"partitioner": "sharded", "epochs": 1, "fusion_samples": 60, **options}
+    return plain_models.run_seed(0, train_set=train, test_set=test, **options)
+
+
+def test_three_sites_fuse_the_template_cnn_with_every_method_that_takes_it(fashion):
+    methods = ("fedavg", "hf-linear", "git-rebasin", "kf-linear", "regmean")
+    row = _seed_0(fashion, sites=3, methods=methods)
     # every method fuses 3 sites (hf-linear and git-rebasin by iterative matching)
     assert list(row) == [
         "best site",
@@ -67,20 +65,7 @@ def test_torchvision_models_trained_on_sites_are_fused_beside_fedfuse_s_own(fash
     (and the ViT by the closed-form fit on the fusion set, beside fedfuse's own ViT trained and
     fused alike)."""
     methods, own = TORCHVISION_CASES[model]
-    train, test = fashion
-    row = plain_models.run_seed(
-        0,
-        sites=2,
-        partitioner="sharded",
-        epochs=1,
-        fusion_samples=60,
-        train_set=train,
-        test_set=test,
-        methods=methods,
-        model=model,
-        own=own,
-        train_samples=120,
-    )
+    row = _seed_0(fashion, sites=2, methods=methods, model=model, own=own, train_samples=120)
     names = ["best site", "ensemble", *methods]
     assert list(row) == names + ([f"own {name}" for name in names] if own else [])
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in row.values())
