@@ -103,10 +103,10 @@ def methods_command(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     print(
         f"({PLAIN_CHAIN}: your own model, a chain of Linear/Conv2d layers; {PLAIN_RESIDUAL}: "
-        "your own model with residual adds and BatchNorm, e.g. torchvision's resnet18 (kf-linear "
-        "and hf-linear fit its convs with their BatchNorms and its residual blocks in closed "
-        "form, and torchvision's VisionTransformer as fedfuse's vit); why a method refuses an "
-        "architecture: fedfuse methods --json)"
+        "your own model with residual adds and BatchNorm, e.g. torchvision's resnet18 (the "
+        "closed-form fits, on the fusion set or on the sites' statistics, take its convs with "
+        "their BatchNorms and its residual blocks, and torchvision's VisionTransformer as "
+        "fedfuse's vit); why a method refuses an architecture: fedfuse methods --json)"
     )
     return 0
 
