@@ -106,7 +106,8 @@ def methods_command(args: argparse.Namespace) -> int:
         "your own model with residual adds and BatchNorm, e.g. torchvision's resnet18 (the "
         "closed-form fits, on the fusion set or on the sites' statistics, take its convs with "
         "their BatchNorms and its residual blocks, and torchvision's VisionTransformer as "
-        "fedfuse's vit); why a method refuses an architecture: fedfuse methods --json)"
+        "fedfuse's vit, as fs-merge and zipit do); why a method refuses an architecture: "
+        "fedfuse methods --json)"
     )
     return 0
 

@@ -40,6 +40,14 @@ matching on the space's probes, e.g. the queries and keys of a block, every ``M`
 space starting from the matched average; it ignores head groups, which the learned ``M`` is not
 bound to either).
 
+**A user's own ViT** (torchvision's ``VisionTransformer`` given as a plain model) is merged on
+the feature spaces read off its traced graph (:mod:`fedfuse.models.graph_symmetry`): the packed
+attention ``in_proj``'s query, key and value rows are each a site of their own (an axis with an
+``offset``; the three share the unmerge of the stream they read, as in the paper), and the
+reconstructed representation is the input of the classifier, the last ``Linear`` of the last
+level (:func:`classifier_prefix`), caught by a hook; the fold is a state dict of the adapted
+model, so the user's class loads it.
+
 Not supported: BatchNorm (ResNet) -- its running statistics would need recomputing in the
 merged space; :func:`check_supported` says so before any site trains.
 """
@@ -56,7 +64,7 @@ from torch.func import functional_call
 
 from fedfuse.fusion.methods.trained.fs_merge.matrices import FoldableMatrix
 from fedfuse.models import LeveledModel
-from fedfuse.models.capture import hooked, run_batches
+from fedfuse.models.capture import capture_modules, hooked, run_batches
 from fedfuse.models.symmetry import FeatureSpace, feature_spaces
 
 NORMS = (nn.LayerNorm, nn.GroupNorm)
@@ -69,6 +77,7 @@ class Site:
     space: str
     prefix: str
     produces: bool
+    offset: int | None = None
 
 
 def _prefix(key: str) -> str:
@@ -77,7 +86,7 @@ def _prefix(key: str) -> str:
 
 def check_supported(model: LeveledModel) -> None:
     """Raise ValueError unless the feature-space FS-Merge can fuse models built like ``model``."""
-    feature_spaces(model)  # a ValueError for architectures without described symmetries
+    spaces = feature_spaces(model)  # a ValueError for architectures without described symmetries
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ValueError(
@@ -85,32 +94,73 @@ def check_supported(model: LeveledModel) -> None:
                 "models (ViT) only, BatchNorm running statistics in the merged space are not "
                 "implemented"
             )
-    head = model.levels[-1]
-    if not (isinstance(head, nn.Sequential) and isinstance(head[-1], nn.Linear)):
-        raise ValueError("the head must be a Sequential ending in the Linear classifier")
+    prefix = classifier_prefix(model)
+    consumed = {a.key for s in spaces for a in s.axes if not a.produces and a.dim == 1}
+    if f"{prefix}.weight" not in consumed:
+        raise ValueError(
+            f"the classifier {prefix} does not read a feature space of the model (the "
+            "representation FS-Merge reconstructs)"
+        )
 
 
-def map_axis(tensor: torch.Tensor, dim: int, repeat: int, matrix: torch.Tensor) -> torch.Tensor:
+def classifier_prefix(model: LeveledModel) -> str:
+    """The name of ``model``'s classifier: the last ``Linear`` of its last level, mapping the
+    final representation to the classes (fedfuse's ViT: ``head[-1]``; a user's: e.g.
+    ``heads.head``); a ValueError when there is none."""
+    last = model.num_levels - 1
+    found = [
+        name for name, module in model.levels[last].named_modules() if isinstance(module, nn.Linear)
+    ]
+    if not found:
+        raise ValueError("the last level holds no Linear classifier")
+    name = found[-1]
+    if model.levels[last].get_submodule(name).out_features != model.spec.num_classes:
+        raise ValueError(f"the last Linear of the last level ({name}) does not output the classes")
+    return f"levels.{last}.{name}" if name else f"levels.{last}"
+
+
+def map_axis(
+    tensor: torch.Tensor,
+    dim: int,
+    repeat: int,
+    matrix: torch.Tensor,
+    offset: int | None = None,
+) -> torch.Tensor:
     """``tensor`` with dim ``dim`` (features of ``repeat`` entries each) mapped by ``matrix``
-    ``(new, old)``; differentiable (unlike :func:`~fedfuse.models.symmetry.map_state`)."""
+    ``(new, old)``; differentiable (unlike :func:`~fedfuse.models.symmetry.map_state`). With an
+    ``offset`` only the ``old * repeat`` entries from it are the features (the rows of one
+    projection in a packed attention ``in_proj``); the others are kept."""
     moved = tensor.movedim(dim, 0)
-    blocks = moved.reshape(matrix.shape[1], repeat, *moved.shape[1:])
+    start = offset or 0
+    stop = start + matrix.shape[1] * repeat
+    blocks = moved[start:stop].reshape(matrix.shape[1], repeat, *moved.shape[1:])
     mixed = torch.tensordot(matrix.to(tensor.dtype), blocks, dims=([1], [0]))
-    return mixed.reshape(-1, *moved.shape[1:]).movedim(0, dim)
+    mixed = mixed.reshape(-1, *moved.shape[1:])
+    if offset is not None:
+        mixed = torch.cat([moved[:start], mixed, moved[stop:]], 0)
+    return mixed.movedim(0, dim)
 
 
 class _Body(nn.Module):
-    """The model's head input (features before the classifier) and logits."""
+    """The model's head input (the classifier's input features) and logits."""
 
     def __init__(self, model: LeveledModel) -> None:
         super().__init__()
         self.model = model
+        self.classifier = classifier_prefix(model)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.forward_levels(x, 0, self.model.num_levels - 1)
-        head = self.model.levels[-1]
-        features = head[:-1](hidden)
-        return features, head[-1](features)
+        seen: list[torch.Tensor] = []
+
+        def keep(_module: nn.Module, args: tuple) -> None:
+            seen.append(args[0])
+
+        handle = self.model.get_submodule(self.classifier).register_forward_pre_hook(keep)
+        try:
+            logits = self.model(x)
+        finally:
+            handle.remove()
+        return seen[-1], logits
 
 
 def head_input(model: LeveledModel, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +193,7 @@ class SpaceSuperNet(nn.Module):
         self.sites: list[Site] = []
         self.matrices = nn.ModuleDict()
         self.norms = nn.ParameterDict()
-        self.plan: dict[str, list[tuple[int, int, str]] | str] = {}
+        self.plan: dict[str, list[tuple[int, int, int | None, str]] | str] = {}
         site_names: dict[Site, str] = {}
         for space in self.spaces.values():
             assign, diagonal = inits[space.name]
@@ -160,7 +210,7 @@ class SpaceSuperNet(nn.Module):
                     self.norms[name] = nn.Parameter(value.movedim(0, axis.dim).contiguous())
                     self.plan[axis.key] = name
                     continue
-                site = Site(space.name, prefix, axis.produces)
+                site = Site(space.name, prefix, axis.produces, axis.offset)
                 if site not in site_names:
                     site_names[site] = f"s{len(self.sites)}"
                     self.sites.append(site)
@@ -171,11 +221,10 @@ class SpaceSuperNet(nn.Module):
                     )
                 entry = self.plan.setdefault(axis.key, [])
                 assert isinstance(entry, list)
-                entry.append((axis.dim, axis.repeat, site_names[site]))
+                entry.append((axis.dim, axis.repeat, axis.offset, site_names[site]))
         for key in self.states[0]:
             self.plan.setdefault(key, [])
-        last = skeleton.num_levels - 1
-        head_prefix = f"levels.{last}.{len(skeleton.levels[last]) - 1}"
+        head_prefix = classifier_prefix(skeleton)
         self.head_site = next(
             name for site, name in site_names.items() if site.prefix == head_prefix
         )
@@ -200,15 +249,16 @@ class SpaceSuperNet(nn.Module):
             if isinstance(plan, str):
                 fused[key] = self.norms[plan]
                 continue
-            producing = any(self.matrices[site].kind == "merge" for _, _, site in plan)
+            producing = any(self.matrices[site].kind == "merge" for *_, site in plan)
             total = None
             for index, state in enumerate(self.states):
                 tensor = state[key]
                 if not tensor.is_floating_point():
                     total = tensor
                     break
-                for dim, repeat, site in plan:
-                    tensor = map_axis(tensor, dim, repeat, self._blocks(site, index, dense[site]))
+                for dim, repeat, offset, site in plan:
+                    block = self._blocks(site, index, dense[site])
+                    tensor = map_axis(tensor, dim, repeat, block, offset)
                 if not producing:  # the classifier: a fixed merge of the models' heads
                     tensor = tensor * self.head_coefficients[index]
                 total = tensor if total is None else total + tensor
@@ -239,7 +289,16 @@ def probe_rows(
     model: LeveledModel, data: torch.Tensor, space: FeatureSpace, batch_size: int = 256
 ) -> torch.Tensor:
     """The features of ``space`` at its probes on ``data``, as rows ``(R, size)`` (float32), in
-    the order the probes fire, batch by batch; the model runs in eval mode on its device."""
+    the order the probes fire, batch by batch; the model runs in eval mode on its device. A
+    packed attention projection's probe (``"<module>#in_proj:..."``, a user's
+    ``nn.MultiheadAttention``) is read by :func:`~fedfuse.models.capture.capture_modules`, probe
+    by probe."""
+    device = next(model.parameters()).device
+    if any("#" in name for name, _ in space.probes):
+        captured = capture_modules(
+            model, data, space.probes, batch_size=batch_size, device=device, store_device=device
+        )
+        return torch.cat([captured[probe].float() for probe in space.probes], 0)
     modules = dict(model.named_modules())
     rows: list[torch.Tensor] = []
 
@@ -249,5 +308,5 @@ def probe_rows(
 
     watched = {i: modules[name] for i, (name, _) in enumerate(space.probes)}
     with hooked(watched, record):
-        run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)
+        run_batches(model, data, batch_size=batch_size, device=device)
     return torch.cat(rows, 0)
