@@ -93,6 +93,10 @@ def simulate_command(
     ]
 
 
+#: what ``flwr run`` prints when its local SuperLink missed Flower's start-up limit
+_SUPERLINK_SLOW = "Failed to start local SuperLink within"
+
+
 @dataclass
 class AppRun:
     """How a ``flwr run`` of an app ended: Flower's exit code, the run id and the run's final
@@ -138,8 +142,30 @@ def run_flower_app(
     if run_config.strip():
         command += ["--run-config", run_config]
     log.info("running %s", " ".join(command))
-    lines: list[str] = []
     deadline = time.monotonic() + timeout
+    try:
+        for attempt in (1, 2):
+            returncode, output = _stream(command, env, deadline, echo)
+            match = _STARTED.search(output)
+            if match or attempt == 2 or _SUPERLINK_SLOW not in output:
+                break
+            # Flower gives its local SuperLink a fixed 15 s to start, which a loaded machine
+            # can miss; no run was submitted, so it is started once more
+            log.warning("Flower's local SuperLink did not start within its 15 s; again")
+            stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
+        run_id = match.group(1) if match else ""
+        status = _run_status(flwr, env, run_id) if run_id else ""
+    finally:
+        stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
+    return AppRun(returncode, run_id, status, output)
+
+
+def _stream(
+    command: list[str], env: dict[str, str], deadline: float, echo: bool
+) -> tuple[int, str]:
+    """Run ``command`` until ``deadline``, its output copied to stdout when ``echo``: the exit
+    code (124 when stopped at the deadline) and the output."""
+    lines: list[str] = []
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -150,7 +176,7 @@ def run_flower_app(
             if echo:
                 sys.stdout.write(line)
             if time.monotonic() > deadline:
-                log.error("the run did not finish within %s s", timeout)
+                log.error("the run did not finish within its time limit")
                 break
         returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -159,12 +185,7 @@ def run_flower_app(
         if process.poll() is None:
             stop_process_tree([process.pid])
             returncode = 124
-        output = "".join(lines)
-        match = _STARTED.search(output)
-        run_id = match.group(1) if match else ""
-        status = _run_status(flwr, env, run_id) if run_id else ""
-        stop_process_tree(sorted(set(superlink_pids(control_port)) - running_before))
-    return AppRun(returncode, run_id, status, output)
+    return returncode, "".join(lines)
 
 
 def _run_status(flwr: str, env: dict[str, str], run_id: str, wait: float = 15.0) -> str:

@@ -5,6 +5,7 @@ failure's cause in at most 5 lines."""
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -178,3 +179,32 @@ def test_a_run_whose_serverapp_died_reads_failed_with_flowers_reason(tmp_path):
     assert "Exit Code: 137" in report["error"]
     assert json.loads((run / "results.json").read_text()) == report  # the file says so too
     assert (tmp_path / "latest").is_symlink()
+
+
+def test_a_local_superlink_that_missed_flower_s_start_limit_is_started_once_more(
+    tmp_path, monkeypatch
+):
+    """Flower gives its local SuperLink 15 s to start; on a loaded machine `flwr run` can fail
+    so before any run exists. fedfuse runs it once more (and never a third time)."""
+    from fedfuse.federation import simulation
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "flwr"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$1" >> {calls}\n'
+        'if [ "$1" = list ]; then\n'
+        '  echo \'{"runs": [{"status": "finished:completed"}]}\'; exit 0; fi\n'
+        f'if [ "$(grep -c run {calls})" = 1 ]; then\n'
+        '  echo "Error: Failed to start local SuperLink within 15s. See logs at x."; exit 1; fi\n'
+        'echo "Successfully started run 42"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(simulation, "flower_environment", lambda: (dict(os.environ), str(fake)))
+    run = simulation.run_flower_app(tmp_path, echo=False, timeout=60)
+    assert run.ok and run.run_id == "42"
+    assert calls.read_text().split() == ["run", "run", "list"]
+    calls.write_text("run\n")  # a second start-up miss is reported, not retried again
+    fake.write_text(fake.read_text().replace("= 1 ]", "-ge 1 ]"))
+    run = simulation.run_flower_app(tmp_path, echo=False, timeout=60)
+    assert not run.ok and run.returncode == 1 and "within 15s" in run.output
