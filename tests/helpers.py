@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torchvision
 
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.upload_request import UploadRequest
@@ -116,6 +117,20 @@ def trained_on_prototypes(
         torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
         optimizer.step()
     return model.eval()
+
+
+class SmallViT(torchvision.models.VisionTransformer):
+    """torchvision's ViT on grey 28x28 images of 4 classes: its own patch conv for one channel."""
+
+    def __init__(self) -> None:
+        super().__init__(28, 7, 2, 2, 32, 64, num_classes=4)
+        self.conv_proj = torch.nn.Conv2d(1, 32, 7, 7)
+
+
+def trained_small_vit(seed: int) -> SmallViT:
+    """A :class:`SmallViT` trained on :func:`prototype_task` (its seed ``seed``)."""
+    torch.manual_seed(seed)
+    return trained_on_prototypes(SmallViT(), seed, (1, 28, 28), 4, lr=0.003, steps=48)
 
 
 def patience(seconds: float) -> float:

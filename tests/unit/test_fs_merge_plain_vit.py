@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torchvision.models import VisionTransformer
 
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.fusion.methods.trained.fs_merge import FSMerge
 from fedfuse.models import ModelAdapter
 from fedfuse.models.symmetry import permute_model, random_permutations
-from tests.helpers import prototype_task, trained_on_prototypes
+from tests.helpers import SmallViT, prototype_task, trained_small_vit
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
@@ -22,22 +21,9 @@ CLASSES = 4
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class SmallViT(VisionTransformer):
-    """torchvision's ViT on grayscale 28x28 images: its own patch conv for one channel."""
-
-    def __init__(self) -> None:
-        super().__init__(28, 7, 2, 2, 32, 64, num_classes=CLASSES)
-        self.conv_proj = nn.Conv2d(1, 32, 7, 7)
-
-
-def _trained(seed: int) -> SmallViT:
-    torch.manual_seed(seed)
-    return trained_on_prototypes(SmallViT(), seed, SHAPE, CLASSES, lr=0.003, steps=48)
-
-
 @pytest.fixture(scope="module")
 def sites():
-    return [_trained(0), _trained(1)]
+    return [trained_small_vit(0), trained_small_vit(1)]
 
 
 @pytest.fixture(scope="module")

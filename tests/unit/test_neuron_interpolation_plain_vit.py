@@ -15,32 +15,19 @@ from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.blocks.token_levels import TokenEmbedding, TokenEncoder, TokenHead
 from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores, make_spec
-from tests.helpers import prototype_task, trained_on_prototypes
+from tests.helpers import SmallViT, prototype_task, trained_small_vit
 
 SHAPE = (1, 28, 28)
 CLASSES = 4
-
-
-class SmallViT(VisionTransformer):
-    """torchvision's ViT on grayscale 28x28 images: its own patch conv for one channel."""
-
-    def __init__(self) -> None:
-        super().__init__(28, 7, 2, 2, 32, 64, num_classes=CLASSES)
-        self.conv_proj = nn.Conv2d(1, 32, 7, 7)
 
 
 def _task(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return prototype_task(samples, seed, SHAPE, CLASSES)
 
 
-def _trained(seed: int) -> SmallViT:
-    torch.manual_seed(seed)
-    return trained_on_prototypes(SmallViT(), seed, SHAPE, CLASSES, lr=0.003, steps=48)
-
-
 @pytest.fixture(scope="module")
 def sites():
-    return [_trained(0), _trained(1)]
+    return [trained_small_vit(0), trained_small_vit(1)]
 
 
 @pytest.fixture(scope="module")
