@@ -103,8 +103,7 @@ class StatisticsRequest:
             raise ValueError(f"max_samples must be >= 1 or None, got {self.max_samples}")
         if not 0 <= self.level < self.view.num_levels:
             raise ValueError(
-                f"statistics request for level {self.level}; the model has "
-                f"{self.view.num_levels}"
+                f"statistics request for level {self.level}; the model has {self.view.num_levels}"
             )
         pieces = linear_pieces(self.fused_level)
         if pieces is None:
