@@ -10,6 +10,7 @@ pass), and on top of them :func:`capture_levels`, :func:`capture_modules` and :f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -240,6 +241,24 @@ def predict(
     with hooked({"model": model}, record):
         run_batches(model, inputs, batch_size=batch_size, device=device)
     return torch.cat(outputs)
+
+
+@torch.no_grad()
+def accuracy_and_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    batch_size: int = 1024,
+    device: str | torch.device = "auto",
+) -> tuple[float, float]:
+    """``(accuracy, mean cross-entropy)`` of ``model`` on labelled rows (:func:`predict`); a loss
+    that is not finite is ``inf``, so it still compares."""
+    logits = predict(model, inputs, batch_size=batch_size, device=device).double()
+    labels = labels.cpu().long()
+    accuracy = (logits.argmax(1) == labels).double().mean().item()
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    return accuracy, loss if math.isfinite(loss) else math.inf
 
 
 _ACTIVATIONS = (

@@ -5,11 +5,16 @@ A method fitted on the sites' data asks through a :class:`SiteChannel`, one site
 strategy by one query message per site and round. Every reply is checked against the request and
 the site's own model (:func:`check_reply`) before the fit reads it: a site's statistics are
 input from outside.
+
+A channel that is also :class:`SiteScoring` has the sites score a model on their own labelled
+rows (Flower's federated evaluation): ``auto`` ranks its candidates by what every site sees,
+where the server's fusion set shows only some classes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -20,6 +25,7 @@ from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.statistics.on_site import site_statistics
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.models import LeveledModel, ModelAdapter
+from fedfuse.models.capture import accuracy_and_loss
 
 
 @runtime_checkable
@@ -37,6 +43,43 @@ class SiteChannel(Protocol):
     def problems(self) -> list[str]: ...
 
 
+@dataclass(frozen=True)
+class SiteScore:
+    """A model's score on one site's labelled rows, as a Flower ``evaluate`` reply holds it."""
+
+    accuracy: float
+    loss: float
+    examples: int
+
+
+@runtime_checkable
+class SiteScoring(Protocol):
+    """Sites that score a model on their own labelled rows, one site per base model."""
+
+    @property
+    def can_score(self) -> bool:
+        """Whether :meth:`score` can be asked (e.g. the in-process sites were given labels)."""
+        ...
+
+    def score(self, model: nn.Module) -> list[SiteScore | None]:
+        """Each site's score of ``model`` (a fused model of the sites' architecture), in model
+        order; None for a site that did not answer (the reason in ``problems``)."""
+        ...
+
+
+def pooled_score(scores: Sequence[SiteScore]) -> SiteScore:
+    """The scores of several sites as one: accuracy and loss weighted by each site's rows, so
+    the pooled rows of the federation count alike."""
+    examples = sum(s.examples for s in scores)
+    if not examples:
+        raise ValueError("pooled_score: no site scored any row")
+    return SiteScore(
+        accuracy=sum(s.accuracy * s.examples for s in scores) / examples,
+        loss=sum(s.loss * s.examples for s in scores) / examples,
+        examples=examples,
+    )
+
+
 class LocalSites:
     """The sites in-process: each base model with its own training inputs (and, optionally,
     a weight per input: ``sample_weights`` of
@@ -48,6 +91,9 @@ class LocalSites:
     ``models`` are fedfuse's leveled models or the user's own plain ``nn.Module`` s of one
     class, adapted here (:class:`~fedfuse.models.ModelAdapter`, on the data's input shape;
     they share the user's parameters).
+
+    With ``validation`` (each site's labelled rows: ``(inputs, labels)``, its training rows or
+    a split it held out) the sites also :meth:`score` models (:class:`SiteScoring`).
     """
 
     def __init__(
@@ -58,7 +104,13 @@ class LocalSites:
         batch_size: int = 256,
         device: str | torch.device = "auto",
         sample_weights: Sequence[torch.Tensor] | None = None,
+        validation: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
+        if validation is not None and len(validation) != len(data):
+            raise ValueError(
+                f"LocalSites: {len(validation)} validation sets for {len(data)} datasets"
+            )
+        self.validation = None if validation is None else list(validation)
         if len(models) != len(data):
             raise ValueError(f"LocalSites: {len(models)} models but {len(data)} datasets")
         if sample_weights is not None and len(sample_weights) != len(data):
@@ -79,6 +131,21 @@ class LocalSites:
 
     def __len__(self) -> int:
         return len(self.models)
+
+    @property
+    def can_score(self) -> bool:
+        return self.validation is not None
+
+    def score(self, model: nn.Module) -> list[SiteScore | None]:
+        if self.validation is None:
+            raise ValueError("LocalSites: no validation rows to score a model on")
+        scores: list[SiteScore | None] = []
+        for inputs, labels in self.validation:
+            accuracy, loss = accuracy_and_loss(
+                model, inputs, labels, batch_size=self.batch_size, device=self.device
+            )
+            scores.append(SiteScore(accuracy, loss, len(labels)))
+        return scores
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
         replies: list[SiteStatistics | None] = []
@@ -157,4 +224,12 @@ def checked_replies(
     return statistics
 
 
-__all__ = ["LocalSites", "SiteChannel", "check_reply", "checked_replies"]
+__all__ = [
+    "LocalSites",
+    "SiteChannel",
+    "SiteScore",
+    "SiteScoring",
+    "check_reply",
+    "checked_replies",
+    "pooled_score",
+]
