@@ -102,9 +102,11 @@ def _fuse_library(
     elif needs & {"data", "labels"}:
         fusion_set = scenario.fusion_set()
     sites = None
-    if "sites" in needs:  # statistics rounds answered in-process
-        site_inputs = [scenario.client_data(pid).inputs() for pid in range(job.sites)]
-        sites = LocalSites(models, site_inputs, device=settings.device)
+    if "sites" in needs:  # statistics rounds and scores (auto) answered in-process
+        shares = [scenario.client_data(pid) for pid in range(job.sites)]
+        site_inputs = [share.inputs() for share in shares]
+        validation = [(x, share.labels) for x, share in zip(site_inputs, shares, strict=True)]
+        sites = LocalSites(models, site_inputs, device=settings.device, validation=validation)
     inputs = fusion_inputs(uploads, fusion_set, sites=sites, needs=needs)
     inverted = settings.fusion_inversion()
     gaussians = settings.fusion_gaussians()

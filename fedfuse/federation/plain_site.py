@@ -170,7 +170,8 @@ def site_fusion_inputs(
 
     Gives what the methods need and nothing else: each site's sample count, the extras of
     :func:`compute_site_extras` (importance scores, class counts, Gram matrices, Fisher), and
-    :class:`~fedfuse.fusion.LocalSites` for statistics rounds (``kf-sites``, ``hf-sites``);
+    :class:`~fedfuse.fusion.LocalSites` for statistics rounds (``kf-sites``, ``hf-sites``) and
+    for scoring ``auto``'s candidates on each site's labelled rows;
     ``data``/``labels`` are the server's fusion set, passed through. The library's counterpart of
     what a Flower site sends (:func:`fedfuse.clients.add_fusion_extras`), without Flower.
     """
@@ -198,5 +199,7 @@ def site_fusion_inputs(
         class_counts=field_of("class-counts", "class_counts"),
         grams=field_of("grams", "grams"),
         fisher=[e.fisher for e in extras] if any(e.fisher for e in extras) else None,
-        sites=LocalSites(models, [x for x, _ in samples]) if "sites" in needed else None,
+        sites=LocalSites(models, [x for x, _ in samples], validation=samples)
+        if "sites" in needed
+        else None,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, FusionMethod, make_fusion_method
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.methods.selection.auto import Auto, stratified_split
+from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.models import build_model, mlp_spec
+from fedfuse.models.capture import accuracy_and_loss
 from tests.helpers import randn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,7 +91,7 @@ def test_the_best_held_out_accuracy_wins_whatever_its_place(copies, models, inpu
     scores = report["candidates"]
     assert scores["copy-trained"]["accuracy"] > scores["copy-untrained"]["accuracy"] + 0.2
     assert report["chosen"] == "copy-trained" and result.details["copied"] == 0
-    assert "copy-trained had the highest held-out accuracy" in report["why"]
+    assert "copy-trained had the highest accuracy" in report["why"]
     fused, trained = result.model.state_dict(), models[0].state_dict()
     assert all(torch.equal(fused[key], trained[key]) for key in trained)
     # a tie on accuracy and loss goes to the earlier candidate
@@ -250,3 +253,63 @@ def test_bad_options_are_named():
         Auto(holdout=0.95)
     with pytest.raises(ValueError, match=r"kf-linear"):
         Auto(candidates="kf-linear,kf-linear")
+
+
+def _sites(models, *, wrong: bool = False) -> LocalSites:
+    """Two in-process sites whose validation rows follow the teacher (or not, ``wrong``)."""
+    rows = [randn(30 + k, 50, 1, 4, 4) for k in range(2)]
+    labelled = [(x, (_teacher(x) + int(wrong)) % 3) for x in rows]
+    return LocalSites(models, rows, validation=labelled, device="cpu")
+
+
+def test_the_sites_scores_decide_where_they_can_score(copies, models, inputs):
+    """The fusion set's labels here point the wrong way: scored on it ``auto`` keeps the
+    untrained copy, scored by the sites the trained one; the pooled score is the sites'."""
+    misleading = replace(inputs, labels=(inputs.labels + 1) % 3, sites=_sites(models))
+    method = Auto(candidates="copy-untrained,copy-trained", device="cpu")
+    report = method.fuse(models, misleading).details["auto"]
+    assert report["chosen"] == "copy-trained" and report["scored_by_sites"] == [0, 1]
+    assert report["criterion"].startswith("the sites' accuracy")
+    trained = report["candidates"]["copy-trained"]
+    sites = misleading.sites.validation
+    expected = [accuracy_and_loss(models[0], x, y)[0] for x, y in sites]
+    assert [s["accuracy"] for s in trained["site_scores"]] == pytest.approx(expected)
+    assert trained["accuracy"] == pytest.approx((expected[0] * 50 + expected[1] * 50) / 100)
+    by_fusion_set = Auto(candidates="copy-untrained,copy-trained", score_on="fusion-set")
+    assert by_fusion_set.fuse(models, misleading).details["auto"]["chosen"] == "copy-untrained"
+    assert "sites" in method.needs() and "sites" not in by_fusion_set.needs()
+    assert "labels" not in Auto(candidates="fedavg", score_on="sites").needs()
+
+
+class _SilentOnce:
+    """Sites of which site 1 does not score the second model it is asked about."""
+
+    can_score = True
+
+    def __init__(self, sites: LocalSites) -> None:
+        self.sites, self.asked, self.problems = sites, 0, []
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def score(self, model):
+        self.asked += 1
+        scores = self.sites.score(model)
+        if self.asked == 2:
+            scores[1] = None
+            self.problems.append("site 1: no answer")
+        return scores
+
+
+def test_candidates_are_compared_on_the_sites_that_scored_them_all(copies, models, inputs):
+    sites = _SilentOnce(_sites(models))
+    method = Auto(candidates="copy-untrained,copy-trained", device="cpu")
+    report = method.fuse(models, replace(inputs, sites=sites)).details["auto"]
+    assert report["scored_by_sites"] == [0] and report["site_problems"] == ["site 1: no answer"]
+    only_site_0 = sites.sites.validation[0]
+    expected = accuracy_and_loss(models[0], *only_site_0)[0]
+    assert report["candidates"]["copy-trained"]["accuracy"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="score_on='sites', but the inputs' sites cannot score"):
+        Auto(candidates="fedavg", score_on="sites").fuse(models, inputs)
+    with pytest.raises(ValueError, match="score_on must be one of"):
+        Auto(score_on="test-set")

@@ -84,82 +84,55 @@ narrows but stays above a point: sharded 2: ``auto`` 81.26 (kf-trust) against re
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fedfuse.fusion.base import INPUT_NEEDS, FusionInputs, FusionMethod
+from fedfuse.fusion.methods.selection.criteria import (
+    SCORE_ON,
+    held_out_scores,
+    pooled_on,
+    scoring_sites,
+    sites_answering_all,
+    stratified_split,
+    unshown_classes,
+    why_chosen,
+)
 from fedfuse.fusion.registry import (
     FUSION_METHODS,
     make_fusion_method,
     parse_method_names,
     register_fusion_method,
 )
+from fedfuse.fusion.statistics.channels import SiteScoring
 from fedfuse.models import LeveledModel, ModelSpec
-from fedfuse.models.capture import predict
 
 log = logging.getLogger(__name__)
 
 #: the candidates of ``auto`` unless the user lists others, in order of preference
-DEFAULT_CANDIDATES = "kf-linear,hf-linear,kf-trust,hf-trust,regmean,regmean-fs,fedavg,vanilla"
+DEFAULT_CANDIDATES = (
+    "kf-sites,hf-sites,kf-linear,hf-linear,kf-trust,hf-trust,regmean,regmean-fs,fedavg,vanilla"
+)
 #: the inputs that make a labelled fusion set
 LABELLED = frozenset({"data", "labels"})
 
 
-def stratified_split(
-    labels: torch.Tensor, holdout: float, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fit, held_out)``: row indices of ``labels`` (each sorted), a share ``holdout`` of every
-    class held out, drawn with ``seed``: per class (in increasing order) one ``randperm`` of its
-    rows, of which the first ``round(holdout * rows)`` are held out, at most all but one."""
-    if not 0 < holdout < 1:
-        raise ValueError(f"holdout must be in (0, 1), got {holdout}")
-    generator = torch.Generator().manual_seed(seed)
-    labels = labels.cpu()
-    fit, held = [], []
-    for value in torch.unique(labels).tolist():
-        rows = torch.nonzero(labels == value).flatten()
-        rows = rows[torch.randperm(len(rows), generator=generator)]
-        count = min(math.floor(holdout * len(rows) + 0.5), len(rows) - 1)
-        held.append(rows[:count])
-        fit.append(rows[count:])
-    empty = torch.zeros(0, dtype=torch.long)
-    return (
-        torch.cat([empty, *fit]).sort().values,
-        torch.cat([empty, *held]).sort().values,
-    )
-
-
-@torch.no_grad()
-def held_out_scores(
-    model: torch.nn.Module,
-    data: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    batch_size: int = 256,
-    device: str = "auto",
-) -> tuple[float, float]:
-    """``(accuracy, mean cross-entropy)`` of ``model`` on ``(data, labels)``."""
-    logits = predict(model, data, batch_size=batch_size, device=device).double()
-    labels = labels.cpu()
-    accuracy = (logits.argmax(1) == labels).double().mean().item()
-    loss = F.cross_entropy(logits, labels).item()
-    return accuracy, loss if math.isfinite(loss) else math.inf
-
-
 @register_fusion_method
 class Auto(FusionMethod):
-    """Fuse with each candidate method on part of the labelled fusion set and keep the one of
-    the highest accuracy on the rest (the module's docstring states the procedure).
+    """Fuse with each candidate method and keep the one of the highest accuracy on the sites'
+    own rows, or on held-out fusion rows (the module's docstring states the procedure).
 
     Args:
         candidates: comma list of registered fusion methods to try, in order of preference (a
             tie, and the fallback without a labelled fusion set, goes to the earlier one).
+        score_on: ``"sites"`` (the sites score each candidate on their labelled rows, pooled by
+            rows), ``"fusion-set"`` (held-out fusion rows) or ``"auto"``: the sites when they
+            can score (:class:`~fedfuse.fusion.statistics.channels.SiteScoring`), else the
+            fusion set.
         holdout: the share of the labelled fusion set held out to score the candidates on.
         refit: fuse the winner again with the whole fusion set (else it keeps its trial model).
         time_budget: seconds after which the candidates not yet tried are skipped (None: no
@@ -176,6 +149,7 @@ class Auto(FusionMethod):
     def __init__(
         self,
         candidates: str = DEFAULT_CANDIDATES,
+        score_on: str = "auto",
         holdout: float = 0.3,
         refit: bool = True,
         time_budget: float | None = None,
@@ -190,7 +164,10 @@ class Auto(FusionMethod):
         if unknown:
             known = sorted(set(FUSION_METHODS) - {self.name})
             raise ValueError(f"auto: candidates {unknown} are not fusion methods; known: {known}")
+        if score_on not in SCORE_ON:
+            raise ValueError(f"auto: score_on must be one of {SCORE_ON}, got {score_on!r}")
         self.candidates = candidates
+        self.score_on = score_on
         self.holdout = holdout
         self.refit = refit
         self.time_budget = time_budget
@@ -214,8 +191,11 @@ class Auto(FusionMethod):
         return frozenset.intersection(*(m.requirements() for m in self.candidate_methods()))
 
     def needs(self) -> frozenset[str]:
-        """What any candidate reads, and the labelled fusion set that scores them."""
-        return frozenset().union(LABELLED, *(m.needs() for m in self.candidate_methods()))
+        """What any candidate reads, and what scores them: the sites, the labelled fusion set."""
+        scoring = {"auto": LABELLED | {"sites"}, "sites": {"sites"}, "fusion-set": LABELLED}
+        return frozenset().union(
+            scoring[self.score_on], *(m.needs() for m in self.candidate_methods())
+        )
 
     @property
     def fisher_kinds(self) -> tuple[str, ...]:
@@ -281,27 +261,121 @@ class Auto(FusionMethod):
             raise ValueError(
                 f"{self.name}: none of its candidates can fuse these inputs: {reasons}"
             )
+        sites = scoring_sites(inputs) if self.score_on != "fusion-set" else None
+        if self.score_on == "sites" and sites is None:
+            raise ValueError(
+                f"{self.name}: score_on='sites', but the inputs' sites cannot score a model "
+                "(give LocalSites validation rows, or run in a Flower app)"
+            )
+        if sites is not None:
+            chosen = self._by_sites(sites, runnable, models, inputs, target, report, started)
+            if chosen is not None:
+                return chosen
         split = self._split(inputs)
         if isinstance(split, str):
             return self._fallback(runnable, models, inputs, target, report, split)
+        return self._by_fusion_set(split, runnable, models, inputs, target, report, started)
+
+    def _over_budget(self, order: int, started: float) -> str | None:
+        """Why the candidate at ``order`` is not tried (the first always is), or None."""
+        elapsed = time.perf_counter() - started
+        if self.time_budget is not None and order and elapsed >= self.time_budget:
+            return f"time budget of {self.time_budget:g} s spent ({elapsed:.1f} s)"
+        return None
+
+    def _trial(self, method, models, inputs, target, report) -> Any | None:
+        """``method`` fused (its result), or None with the failure in ``report``."""
+        try:
+            return method.fuse(models, inputs, target=target)
+        except (ValueError, RuntimeError) as error:
+            report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
+            log.warning("auto: %s failed: %s", method.name, error)
+            return None
+
+    def _by_sites(
+        self,
+        sites: SiteScoring,
+        runnable: Sequence[FusionMethod],
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        report: dict[str, dict[str, Any]],
+        started: float,
+    ) -> tuple[LeveledModel, dict[str, Any]] | None:
+        """Each candidate fused with every input and scored by the sites; the best by pooled
+        accuracy (then loss, then order) over the sites that scored them all. None when no
+        site scored every candidate (the fusion set decides then)."""
+        trials = []
+        for order, method in enumerate(runnable):
+            if skipped := self._over_budget(order, started):
+                report[method.name] = {"skipped": skipped}
+                continue
+            trial = time.perf_counter()
+            result = self._trial(method, models, inputs, target, report)
+            if result is None:
+                continue
+            scores = sites.score(result.model)
+            report[method.name] = {
+                "site_scores": [None if s is None else vars(s).copy() for s in scores],
+                "seconds": time.perf_counter() - trial,
+            }
+            trials.append((method, result, scores))
+        if not trials:
+            reasons = "; ".join(
+                f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
+            )
+            raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+        answered = sites_answering_all([scores for _, _, scores in trials])
+        problems = list(getattr(sites, "problems", []))
+        if not answered:
+            log.warning("auto: no site scored every candidate (%s)", "; ".join(problems))
+            return None
+        best = None
+        for method, result, scores in trials:
+            pooled = pooled_on(scores, answered)
+            report[method.name].update(accuracy=pooled.accuracy, loss=pooled.loss)
+            log.info(
+                "auto: %s accuracy %.4f loss %.4f on the sites' %d rows",
+                method.name, pooled.accuracy, pooled.loss, pooled.examples,
+            )  # fmt: skip
+            if best is None or (pooled.accuracy, -pooled.loss) > (best[0], -best[1]):
+                best = (pooled.accuracy, pooled.loss, method, result, pooled.examples)
+        _, _, method, result, rows = best
+        summary = {
+            "chosen": method.name,
+            "why": why_chosen(method.name, report, f"the {rows} rows of sites {answered}"),
+            "criterion": "the sites' accuracy pooled by rows, then loss",
+            "candidates": report,
+            "scored_by_sites": answered,
+            "site_problems": problems,
+            "refit": False,
+        }
+        return result.model, {**result.details, "auto": summary}
+
+    def _by_fusion_set(
+        self,
+        split: tuple[torch.Tensor, torch.Tensor],
+        runnable: Sequence[FusionMethod],
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        report: dict[str, dict[str, Any]],
+        started: float,
+    ) -> tuple[LeveledModel, dict[str, Any]]:
+        """Each candidate fused on the fit rows and scored on the held-out rows; the winner
+        refitted on every row (``refit``)."""
         fit, held = split
         assert inputs.data is not None and inputs.labels is not None
         fit_inputs = replace(inputs, data=inputs.data[fit], labels=inputs.labels[fit])
         held_data, held_labels = inputs.data[held], inputs.labels[held]
         best: tuple[float, float, FusionMethod, LeveledModel, dict[str, Any]] | None = None
         for order, method in enumerate(runnable):
-            elapsed = time.perf_counter() - started
-            if self.time_budget is not None and order and elapsed >= self.time_budget:
-                report[method.name] = {
-                    "skipped": f"time budget of {self.time_budget:g} s spent ({elapsed:.1f} s)"
-                }
+            if skipped := self._over_budget(order, started):
+                report[method.name] = {"skipped": skipped}
                 continue
             trial = time.perf_counter()
-            try:
-                result = method.fuse(models, fit_inputs, target=target)
-            except (ValueError, RuntimeError) as error:
-                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
-                log.warning("auto: %s failed: %s", method.name, error)
+            result = self._trial(method, models, fit_inputs, target, report)
+            if result is None:
                 continue
             accuracy, loss = held_out_scores(
                 result.model, held_data, held_labels, batch_size=self.batch_size, device=self.device
@@ -323,7 +397,7 @@ class Auto(FusionMethod):
             model, details = result.model, result.details
         summary = {
             "chosen": method.name,
-            "why": _why(method.name, report, len(held)),
+            "why": why_chosen(method.name, report, f"{len(held)} held-out fusion rows"),
             "criterion": "held-out accuracy, then loss",
             "candidates": report,
             "unshown_classes": unshown_classes(inputs),
@@ -394,30 +468,3 @@ def _skip_reason(
             "them, and held-out fusion rows cannot see that"
         )
     return None
-
-
-def unshown_classes(inputs: FusionInputs) -> list[int]:
-    """The classes some site holds (its class counts) of which the labelled fusion set shows no
-    row (empty without class counts or labels)."""
-    if inputs.class_counts is None or inputs.labels is None:
-        return []
-    held = {c for counts in inputs.class_counts for c, n in enumerate(counts) if n > 0}
-    return sorted(held - set(inputs.labels.tolist()))
-
-
-def _why(chosen: str, report: dict[str, dict[str, Any]], rows: int) -> str:
-    """One sentence: why ``chosen`` won on the ``rows`` held-out rows."""
-    mine = report[chosen]
-    others = [(n, r) for n, r in report.items() if "accuracy" in r and n != chosen]
-    said = f"{chosen} had the highest held-out accuracy, {mine['accuracy']:.2%} on {rows} rows"
-    if not others:
-        return f"{chosen} was the only candidate scored ({mine['accuracy']:.2%} on {rows} rows)"
-    name, runner_up = max(others, key=lambda item: (item[1]["accuracy"], -item[1]["loss"]))
-    if runner_up["accuracy"] < mine["accuracy"]:
-        return f"{said} (next: {name} {runner_up['accuracy']:.2%})"
-    if runner_up["loss"] > mine["loss"]:
-        return (
-            f"{chosen} tied with {name} on held-out accuracy ({mine['accuracy']:.2%} on {rows} "
-            f"rows) and had the lower loss ({mine['loss']:.4f} against {runner_up['loss']:.4f})"
-        )
-    return f"{chosen} tied with {name} on held-out accuracy and loss, and comes first in the list"
