@@ -1,7 +1,8 @@
 """The site's Flower ``ClientApp``: train locally once, score neurons locally, upload both;
 then, for methods fitted on the sites' data, answer one statistics query per level; and, when
 the run fine-tunes on the sites (``finetune-data="sites"``), train the fused model on the site's
-data once more and send it back (``train.finetune``).
+data once more and send it back (``train.finetune``); and score any model the server sends on
+the site's training rows (``evaluate``: ``auto`` ranks its candidates by the sites' scores).
 
 Simulation: a site's data is its partition (``partition-id`` / ``num-partitions``, set by Flower)
 of the configured dataset. Deployment: start the SuperNode with
@@ -58,6 +59,13 @@ def statistics_round(msg: Message, context: Context) -> Message:
     """One statistics round: the site's statistics of the fused prefix and its own model on
     its own data, for the level the server asks (site-statistics fusion, e.g. ``kf-sites``)."""
     return _handlers().statistics_round(msg, context)
+
+
+@app.evaluate()
+def score_model(msg: Message, context: Context) -> Message:
+    """Federated evaluation: the accuracy, loss and row count of the model the server sent, on
+    the site's training rows (a site holds no held-out split), as Flower's templates reply."""
+    return _handlers().score_model(msg, context)
 
 
 @app.train("finetune")

@@ -23,6 +23,7 @@ from fedfuse.federation.site import (
     train_site,
 )
 from fedfuse.federation.site_cache import run_site_cache
+from fedfuse.federation.site_score import score_on_site
 from fedfuse.runtime import configure_logging, release_free_memory
 from fedfuse.settings.run import RunSettings
 
@@ -37,6 +38,7 @@ from .records import (
     unpack_statistics_request,
     unpack_train_request,
 )
+from .score_records import pack_score_reply, unpack_score_request
 from .site_context import count_round, site_identity, site_name, site_of, site_policy
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,23 @@ def statistics_round(msg: Message, context: Context) -> Message:
             doing="a statistics round",
         )
     return Message(content=pack_statistics(statistics), reply_to=msg)
+
+
+def score_model(msg: Message, context: Context) -> Message:
+    """A scoring round (Flower's federated evaluation): the accuracy, loss and row count of the
+    model the server sent on the site's training rows (it holds no held-out split;
+    :func:`~fedfuse.federation.site_score.score_on_site`). A site that cannot score answers
+    that it failed, and why."""
+    configure_logging()
+    site = None
+    try:
+        site = site_of(context)
+        settings = RunSettings.from_config(context.run_config)
+        model = unpack_score_request(msg.content)
+        score = score_on_site(settings, model, site)
+    except Exception as error:  # the server is told which site cannot score, and why
+        return _cannot_take_part(msg, error, context, site)
+    return Message(content=pack_score_reply(score), reply_to=msg)
 
 
 def finetune_round(msg: Message, context: Context) -> Message:

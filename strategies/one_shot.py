@@ -388,6 +388,7 @@ class OneShotFusion(UploadIntake, Strategy):
             timeout=self._reply_timeout,
             max_in_flight=self.max_in_flight,
             secure=self.secure,
+            export=None if self.adapter is None else self.adapter.export,
         )
 
     def finetune_round(self) -> SiteFinetuneRound:

@@ -8,25 +8,32 @@ model) and takes the replies as they arrive, with the train round's reply timeou
 control. A reply is validated before it is used; a site that fails, answers garbage or stays
 silent is named in :attr:`FlowerSites.problems` and gets None, which the method handles (K-means
 grouping goes on without that site; Hungarian grouping needs both).
+
+The sites also score models (``SiteScoring``, Flower's federated evaluation: ``auto`` ranks its
+candidates by what every site sees): one ``evaluate`` message per site, as Flower's stock
+strategies send it (:mod:`fedfuse.clients.score_records`), answered by fedfuse's ClientApp or a
+template app's ``@app.evaluate()`` handler unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from flwr.app import Message
 from flwr.serverapp import Grid
+from torch import nn
 
 from fedfuse.clients.records import (
     STATISTICS_MESSAGE,
     pack_statistics_request,
     unpack_statistics,
 )
+from fedfuse.clients.score_records import SCORE_MESSAGE, pack_score_request, unpack_site_score
 from fedfuse.clients.sum_records import pack_sum_request
-from fedfuse.fusion.statistics.channels import check_reply
+from fedfuse.fusion.statistics.channels import SiteScore, check_reply
 from fedfuse.fusion.statistics.rounds import SiteStatistics, StatisticsRequest
 from fedfuse.fusion.statistics.summed_terms import (
     SiteSums,
@@ -42,6 +49,9 @@ from .secure_sums import SecureSettings, secure_sum
 
 log = logging.getLogger(__name__)
 
+#: how a problem of a scoring round is named
+SCORING = "scoring round"
+
 
 class FlowerSites:
     """The sites of a Flower run as a ``SiteChannel``: model ``i`` is answered by ``nodes[i]``.
@@ -54,6 +64,9 @@ class FlowerSites:
         timeout: seconds to wait for one round's replies.
         max_in_flight: messages out at once (0: all), as for the train round.
         secure: sum the summed rounds with SecAgg+ (:mod:`.secure_sums`); None: in the clear.
+        export: for plain ClientApps, a leveled model as the user's own class
+            (:meth:`~fedfuse.models.ModelAdapter.export`): :meth:`score` sends its state dict,
+            which the app's ``Net().load_state_dict`` takes. None: fedfuse's ClientApp.
     """
 
     def __init__(
@@ -66,6 +79,7 @@ class FlowerSites:
         timeout: float,
         max_in_flight: int = 0,
         secure: SecureSettings | None = None,
+        export: Callable[[LeveledModel], nn.Module] | None = None,
     ) -> None:
         if not len(models) == len(nodes) == len(names):
             raise ValueError("FlowerSites: one node and one name per model")
@@ -76,6 +90,7 @@ class FlowerSites:
         self.timeout = timeout
         self.max_in_flight = max_in_flight
         self.secure = secure
+        self.export = export
         self._secure_rounds = 0
         self._problems: list[str] = []
         #: model index -> why its site refused a statistics round (its policy); it is asked no
@@ -90,6 +105,52 @@ class FlowerSites:
     @property
     def problems(self) -> list[str]:
         return self._problems
+
+    @property
+    def can_score(self) -> bool:
+        """The sites of a Flower run can always be asked (a site without an ``evaluate``
+        handler answers with an error, named in :attr:`problems`)."""
+        return True
+
+    def score(self, model: nn.Module) -> list[SiteScore | None]:
+        """Each site's score of ``model`` on its own labelled rows, in model order: one
+        ``evaluate`` message per site with the model's state dict in the sites' format (the
+        user's class's through ``export``, else the leveled model's and its spec); None for a
+        site that failed, answered garbage or stayed silent (named in :attr:`problems`)."""
+        started = time.monotonic()
+        if self.export is not None and isinstance(model, LeveledModel):
+            content = pack_score_request(self.export(model).state_dict())
+        elif self.export is not None:  # already the user's own class
+            content = pack_score_request(model.state_dict())
+        elif isinstance(model, LeveledModel):
+            content = pack_score_request(model.state_dict(), model.spec)
+        else:
+            raise TypeError(
+                f"FlowerSites.score: fedfuse's ClientApp scores a LeveledModel, got a "
+                f"{type(model).__name__}"
+            )
+        messages = [
+            Message(content=content, message_type=SCORE_MESSAGE, dst_node_id=node)
+            for node in self.nodes
+        ]
+        scores: list[SiteScore | None] = [None] * len(self.nodes)
+        replies = replies_by_site(
+            self.grid,
+            messages,
+            self.nodes,
+            self.timeout,
+            lambda index: self._note(index, "no score before the reply timeout", SCORING),
+            max_in_flight=self.max_in_flight,
+        )
+        for index, reply in replies:
+            scores[index] = self._decode_score(reply, index)
+        log.info(
+            "scoring round: %d of %d sites scored the model in %.1f s",
+            sum(s is not None for s in scores),
+            len(scores),
+            time.monotonic() - started,
+        )
+        return scores
 
     def gather(self, request: StatisticsRequest) -> list[SiteStatistics | None]:
 
@@ -203,7 +264,22 @@ class FlowerSites:
             return None
         return statistics
 
-    def _note(self, index: int, problem: str) -> None:
-        message = f"{self.names[index]}: statistics round: {problem}"
+    def _decode_score(self, reply: Message, index: int) -> SiteScore | None:
+        name = self.names[index]
+        if reply.has_error():
+            self._note(index, f"the client failed: {short_reason(reply.error.reason)}", SCORING)
+            return None
+        answer = site_answer(reply)
+        if answer is not None:  # the site said why it did not score (fedfuse's ClientApp)
+            self._note(index, f"{answer.kind}: {short_reason(answer.reason)}", SCORING)
+            return None
+        try:
+            return unpack_site_score(reply.content, source=name)
+        except ValueError as error:
+            self._note(index, str(error).removeprefix(f"{name}: "), SCORING)
+            return None
+
+    def _note(self, index: int, problem: str, round_: str = "statistics round") -> None:
+        message = f"{self.names[index]}: {round_}: {problem}"
         self._problems.append(message)
         log.error("%s", message)

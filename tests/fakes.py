@@ -54,8 +54,9 @@ class SitesGrid(HeldReplies):
     """A Grid whose sites are fedfuse's real ClientApp handlers, called in this process.
 
     ``sites`` maps node ids to node configs; each pushed message is answered by the ClientApp's
-    handler of its type (``train_and_upload``, ``check_contract``, ``statistics_round``) with
-    that node's config and ``run_config`` (``handler`` replaces the train handler).
+    handler of its type (``train_and_upload``, ``check_contract``, ``statistics_round``,
+    ``score_model``) with that node's config and ``run_config`` (``handler`` replaces the train
+    handler).
     ``pushed`` records every message the server sent, so a test can tell that a check came
     before any site was asked to train.
     """
@@ -83,7 +84,12 @@ class SitesGrid(HeldReplies):
     def push_messages(self, messages):
         from flwr.app import Error
 
-        from fedfuse.clients.client_app import check_contract, statistics_round, train_and_upload
+        from fedfuse.clients.client_app import (
+            check_contract,
+            score_model,
+            statistics_round,
+            train_and_upload,
+        )
         from fedfuse.clients.secure import secure_sums_mod
 
         ids = []
@@ -95,6 +101,8 @@ class SitesGrid(HeldReplies):
                 handler = check_contract
             elif msg.metadata.message_type == "query.statistics":
                 handler = statistics_round
+            elif msg.metadata.message_type == "evaluate":
+                handler = score_model
             else:
                 handler = self.handler or train_and_upload
             context = self.contexts[msg.metadata.dst_node_id]
