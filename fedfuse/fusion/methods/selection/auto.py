@@ -249,10 +249,36 @@ class Auto(FusionMethod):
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
         started = time.perf_counter()
+        sites = scoring_sites(inputs) if self.score_on != "fusion-set" else None
+        if self.score_on == "sites" and sites is None:
+            raise ValueError(
+                f"{self.name}: score_on='sites', but the inputs' sites cannot score a model "
+                "(give LocalSites validation rows, or run in a Flower app)"
+            )
         report: dict[str, dict[str, Any]] = {}
+        if sites is not None:
+            runnable = self._runnable(models, inputs, report, by_sites=True)
+            chosen = self._by_sites(sites, runnable, models, inputs, target, report, started)
+            if chosen is not None:
+                return chosen
+        runnable = self._runnable(models, inputs, report, by_sites=False)
+        split = self._split(inputs)
+        if isinstance(split, str):
+            return self._fallback(runnable, models, inputs, target, report, split)
+        return self._by_fusion_set(split, runnable, models, inputs, target, report, started)
+
+    def _runnable(
+        self,
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        report: dict[str, dict[str, Any]],
+        *,
+        by_sites: bool,
+    ) -> list[FusionMethod]:
+        """The candidates that can be tried; the others' reasons go into ``report``."""
         runnable = []
         for method in self.candidate_methods():
-            reason = _skip_reason(method, models, inputs)
+            reason = _skip_reason(method, models, inputs, by_sites=by_sites)
             report[method.name] = {"skipped": reason} if reason else {}
             if not reason:
                 runnable.append(method)
@@ -261,20 +287,7 @@ class Auto(FusionMethod):
             raise ValueError(
                 f"{self.name}: none of its candidates can fuse these inputs: {reasons}"
             )
-        sites = scoring_sites(inputs) if self.score_on != "fusion-set" else None
-        if self.score_on == "sites" and sites is None:
-            raise ValueError(
-                f"{self.name}: score_on='sites', but the inputs' sites cannot score a model "
-                "(give LocalSites validation rows, or run in a Flower app)"
-            )
-        if sites is not None:
-            chosen = self._by_sites(sites, runnable, models, inputs, target, report, started)
-            if chosen is not None:
-                return chosen
-        split = self._split(inputs)
-        if isinstance(split, str):
-            return self._fallback(runnable, models, inputs, target, report, split)
-        return self._by_fusion_set(split, runnable, models, inputs, target, report, started)
+        return runnable
 
     def _over_budget(self, order: int, started: float) -> str | None:
         """Why the candidate at ``order`` is not tried (the first always is), or None."""
@@ -451,9 +464,15 @@ class Auto(FusionMethod):
 
 
 def _skip_reason(
-    method: FusionMethod, models: Sequence[LeveledModel], inputs: FusionInputs
+    method: FusionMethod,
+    models: Sequence[LeveledModel],
+    inputs: FusionInputs,
+    *,
+    by_sites: bool = False,
 ) -> str | None:
-    """Why ``method`` cannot fuse ``models`` with ``inputs`` (None: it can be tried)."""
+    """Why ``method`` cannot fuse ``models`` with ``inputs`` (None: it can be tried). A method
+    that loses the classes the fusion set does not show is left out unless the sites, which
+    show them, score it (``by_sites``)."""
     lacking = sorted(f for f in method.requirements() if getattr(inputs, f) is None)
     if lacking:
         return f"needs {', '.join(INPUT_NEEDS.get(f, f) for f in lacking)}, not given"
@@ -462,7 +481,7 @@ def _skip_reason(
     except ValueError as error:
         return str(error)
     unshown = unshown_classes(inputs)
-    if unshown and getattr(method, "needs_every_class", False):
+    if unshown and not by_sites and getattr(method, "needs_every_class", False):
         return (
             f"the fusion set shows no row of class(es) {unshown}, which sites hold: it loses "
             "them, and held-out fusion rows cannot see that"
