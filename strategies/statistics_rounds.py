@@ -96,6 +96,8 @@ class FlowerSites:
         #: model index -> why its site refused a statistics round (its policy); it is asked no
         #: more in this run
         self.refused: dict[int, str] = {}
+        #: model index -> why its site gave no score (:meth:`score`); it is asked no more
+        self.unscored: dict[int, str] = {}
         #: per round: the level and the seconds it took
         self.rounds: list[dict[str, float]] = []
 
@@ -108,15 +110,18 @@ class FlowerSites:
 
     @property
     def can_score(self) -> bool:
-        """The sites of a Flower run can always be asked (a site without an ``evaluate``
-        handler answers with an error, named in :attr:`problems`)."""
-        return True
+        """Whether a site is left to ask: every site until it fails a scoring round (a site
+        without an ``evaluate`` handler answers with an error, named in :attr:`problems`)."""
+        return len(self.unscored) < len(self.nodes)
 
     def score(self, model: nn.Module) -> list[SiteScore | None]:
         """Each site's score of ``model`` on its own labelled rows, in model order: one
         ``evaluate`` message per site with the model's state dict in the sites' format (the
         user's class's through ``export``, else the leveled model's and its spec); None for a
-        site that failed, answered garbage or stayed silent (named in :attr:`problems`)."""
+        site that failed, answered garbage or stayed silent (named in :attr:`problems`). Such
+        a site is not asked again in this run (:attr:`unscored`): a ranking compares the
+        candidates on the sites that scored them all, and a silent site would cost every
+        later round the reply timeout."""
         started = time.monotonic()
         if self.export is not None and isinstance(model, LeveledModel):
             content = pack_score_request(self.export(model).state_dict())
@@ -129,26 +134,28 @@ class FlowerSites:
                 f"FlowerSites.score: fedfuse's ClientApp scores a LeveledModel, got a "
                 f"{type(model).__name__}"
             )
+        asked = [index for index in range(len(self.nodes)) if index not in self.unscored]
         messages = [
-            Message(content=content, message_type=SCORE_MESSAGE, dst_node_id=node)
-            for node in self.nodes
+            Message(content=content, message_type=SCORE_MESSAGE, dst_node_id=self.nodes[index])
+            for index in asked
         ]
         scores: list[SiteScore | None] = [None] * len(self.nodes)
         replies = replies_by_site(
             self.grid,
             messages,
-            self.nodes,
+            [self.nodes[index] for index in asked],
             self.timeout,
-            lambda index: self._note(index, "no score before the reply timeout", SCORING),
+            lambda position: self._unscored(asked[position], "no score before the reply timeout"),
             max_in_flight=self.max_in_flight,
         )
-        for index, reply in replies:
-            scores[index] = self._decode_score(reply, index)
+        for position, reply in replies:
+            scores[asked[position]] = self._decode_score(reply, asked[position])
         log.info(
-            "scoring round: %d of %d sites scored the model in %.1f s",
+            "scoring round: %d of %d sites scored the model in %.1f s (%d asked)",
             sum(s is not None for s in scores),
             len(scores),
             time.monotonic() - started,
+            len(asked),
         )
         return scores
 
@@ -267,17 +274,22 @@ class FlowerSites:
     def _decode_score(self, reply: Message, index: int) -> SiteScore | None:
         name = self.names[index]
         if reply.has_error():
-            self._note(index, f"the client failed: {short_reason(reply.error.reason)}", SCORING)
+            self._unscored(index, f"the client failed: {short_reason(reply.error.reason)}")
             return None
         answer = site_answer(reply)
         if answer is not None:  # the site said why it did not score (fedfuse's ClientApp)
-            self._note(index, f"{answer.kind}: {short_reason(answer.reason)}", SCORING)
+            self._unscored(index, f"{answer.kind}: {short_reason(answer.reason)}")
             return None
         try:
             return unpack_site_score(reply.content, source=name)
         except ValueError as error:
-            self._note(index, str(error).removeprefix(f"{name}: "), SCORING)
+            self._unscored(index, str(error).removeprefix(f"{name}: "))
             return None
+
+    def _unscored(self, index: int, problem: str) -> None:
+        """Site ``index`` gave no score (``problem``): named, and not asked again."""
+        self.unscored[index] = problem
+        self._note(index, problem, SCORING)
 
     def _note(self, index: int, problem: str, round_: str = "statistics round") -> None:
         message = f"{self.names[index]}: {round_}: {problem}"

@@ -115,7 +115,8 @@ def test_a_site_that_fails_answers_garbage_or_stays_silent_is_none_and_named():
     nodes = sorted(answers)
     fused = build_model(Scenario(SETTINGS, 2).model_spec(), seed=5)
     names = [f"site-{node}" for node in nodes]
-    sites = FlowerSites(_AnsweringGrid(answers), [fused] * len(nodes), nodes, names, timeout=1.0)
+    grid = _AnsweringGrid(answers)
+    sites = FlowerSites(grid, [fused] * len(nodes), nodes, names, timeout=1.0)
     scores = dict(zip(nodes, sites.score(fused), strict=True))
     assert scores[1] == SiteScore(0.5, 1.25, 8)
     assert all(scores[node] is None for node in nodes if node != 1)
@@ -131,6 +132,12 @@ def test_a_site_that_fails_answers_garbage_or_stays_silent_is_none_and_named():
     assert "no score before the reply timeout" in problems[8]
     assert "the client failed: the site's disk is full" in problems[9]
     assert "failed: ValueError" in problems[10] and "partition-id" in problems[10]
+    # the next model goes to the site that scored only: no other is asked, or named, again
+    sent = grid.count
+    assert sites.score(fused)[nodes.index(1)] == SiteScore(0.5, 1.25, 8)
+    assert grid.count == sent + 1 and len(sites.problems) == len(problems) and sites.can_score
+    alone = FlowerSites(grid, [fused], [9], ["site-9"], timeout=1.0)
+    assert alone.score(fused) == [None] and not alone.can_score
 
 
 # --------------------------------------------------------------------------- a plain ClientApp
