@@ -151,7 +151,8 @@ def _trained_sites(
         nets.append(net)
     extras: dict = {"scores": scores or None, "grams": grams or None}
     if "sites" in needs:
-        extras["sites"] = LocalSites(nets, [data.inputs() for data in shares])
+        rows = [(data.inputs(), data.labels) for data in shares]
+        extras["sites"] = LocalSites(nets, [x for x, _ in rows], validation=rows)
     return nets, extras
 
 

@@ -1,84 +1,60 @@
-r"""``auto``: fuse with each of a stated list of methods, keep the best on held-out fusion rows.
+r"""``auto``: fuse with each of a stated list of methods, keep the best on the sites' own rows.
 
-Which method leads depends on the federation (``docs/results.md``: ``kf-trust`` on class-sharded
-sites, ``kf-linear`` on Dirichlet ones, ``regmean`` with a shared start, ...). ``auto`` decides
-per run, from what the server holds (its :class:`~fedfuse.fusion.base.FusionInputs`) and
-nothing else:
+Which method leads depends on the federation (``docs/settings.md``: ``kf-sites`` on most
+settings, ``kf-trust`` on class-sharded sites with a fusion set of every class, ``kf-linear`` on
+Dirichlet ones, ``regmean`` with a shared start, ...). ``auto`` decides per run, from what the
+server holds (its :class:`~fedfuse.fusion.base.FusionInputs`) and what the sites answer, never
+from a test set:
 
 1. **Candidates.** The methods of ``candidates``, a comma list in order of preference. One whose
    needs the inputs do not meet (its :meth:`~FusionMethod.requirements`), or that refuses the
    models (its :meth:`~FusionMethod.check_run`: architecture, number of sites), is skipped and
-   the reason recorded; one that raises while fusing is recorded as failed. So is a method
-   that loses the classes the fusion set does not show (``needs_every_class``: ``kf-trust``,
-   ``hf-trust``) when the sites' class counts name such a class: held-out fusion rows cannot
-   see that loss (measured below: on a fusion set drawn from one site both score best on the
-   held-out rows and lose 40 points on the test set).
-2. **Split.** The labelled fusion set is split with ``seed`` into a fit part and a held-out part
-   of share ``holdout``, stratified by class: each class's rows are shuffled and
-   ``round(holdout * rows)`` of them held out (a class keeps at least one row to fit on).
-3. **Trials.** Each candidate fuses with the fit part in place of the fusion set (every other
-   input as given) and is scored on the held-out rows: the highest accuracy wins, ties go to
-   the lower mean cross-entropy, then to the earlier candidate. The test set is never seen:
-   the method holds only its inputs.
-4. **Refit.** With ``refit`` (the default) the winner fuses again with the whole fusion set
-   when it reads the fusion set at all (one that does not, e.g. ``regmean`` or ``fedavg``,
-   keeps its model: it would be the same). Measured below: within 0.2 points either way.
-5. **Budget.** Once ``time_budget`` seconds have passed, the candidates not yet tried are
+   the reason recorded; one that raises while fusing is recorded as failed.
+2. **Scored by the sites** (``score_on="auto"`` when the inputs' sites can score a model,
+   :class:`~fedfuse.fusion.statistics.channels.SiteScoring`: in-process
+   :class:`~fedfuse.fusion.statistics.channels.LocalSites` given each site's labelled rows, or
+   the sites of a Flower run answering Flower's ``evaluate`` message). Each candidate fuses with
+   every input and each site scores it on its own labelled rows (a Flower app's
+   ``@app.evaluate()`` on its validation split; ``fedfuse compare`` and
+   :func:`~fedfuse.federation.site_fusion_inputs` on the site's training rows). The scores are
+   pooled by rows over the sites that scored every candidate (a site silent once is left out
+   of every comparison and named); the highest accuracy wins, ties go to the lower loss, then
+   to the earlier candidate. What a site sends per candidate is two numbers and a row count.
+3. **Scored on the fusion set** (``score_on="fusion-set"``, or no site can score). The
+   labelled fusion set is split with ``seed`` into a fit part and a held-out part of share
+   ``holdout``, stratified by class (each class's rows shuffled, ``round(holdout * rows)`` held
+   out, at least one kept to fit on). Each candidate fuses with the fit part in place of the
+   fusion set and is scored on the held-out rows, ranked as above. A method that loses the
+   classes the fusion set does not show (``needs_every_class``: ``kf-trust``, ``hf-trust``) is
+   left out when the sites' class counts name such a class: held-out fusion rows cannot see
+   that loss (the sites' scores can, so they keep it). With ``refit`` (the default) the winner
+   fuses again with the whole fusion set when it reads it at all.
+4. **Budget.** Once ``time_budget`` seconds have passed, the candidates not yet tried are
    skipped and named (the one under way finishes, the first always runs, the refit is extra).
 
-Without a labelled fusion set (no data, no labels, or no class with two rows to hold one out)
-nothing can be scored: the fallback is the first candidate of the list that can run, fused with
-every input, and ``details["auto"]["why"]`` says so.
+Without sites that score or a labelled fusion set (no data, no labels, or no class with two rows
+to hold one out) nothing can be scored: the fallback is the first candidate of the list that can
+run, fused with every input, and ``details["auto"]["why"]`` says so.
 
-``details["auto"]`` holds every candidate's held-out ``accuracy``, ``loss`` and ``seconds``
-(or ``skipped``/``failed`` with the reason), the ``chosen`` method and ``why`` in one sentence,
-and the rows of each part; the other entries of ``details`` are the chosen method's own.
+``details["auto"]`` holds every candidate's ``accuracy``, ``loss`` and ``seconds`` (with the
+sites: each site's ``site_scores``) or ``skipped``/``failed`` with the reason, the ``chosen``
+method and ``why`` in one sentence, the ``criterion``, and the sites or rows that scored; the
+other entries of ``details`` are the chosen method's own.
 
-**The default list** is the ensemble-free methods that lead in fedfuse's measurements and fuse
-in seconds: kf-linear, hf-linear, kf-trust, hf-trust, regmean, regmean-fs, fedavg, vanilla. Left
-out of it, though any registered method may be listed: the statistics-round methods
-(``kf-sites``, ``hf-sites``: every trial would cost the sites rounds of their own; listed, they
-run over ``FusionInputs.sites`` as usual), the Fisher methods (another upload), the matching
-methods (below FedAvg on most of fedfuse's settings) and the trainers (``kd``, ``fs-merge``,
-``dense``: minutes each). What the sites send is what the listed methods read: :meth:`Auto.needs`
-is their union (plus the labelled fusion set), so the default list asks the sites for Gram
-matrices (for ``regmean``); leave out ``regmean`` and ``regmean-fs`` not to send them.
+**The default list** is the methods that lead in fedfuse's measurements and fuse in seconds to
+a minute: kf-sites, hf-sites, kf-linear, hf-linear, kf-trust, hf-trust, regmean, regmean-fs,
+fedavg, vanilla. The statistics-round methods run only where the inputs reach the sites (each
+trial costs the sites rounds of their own; elsewhere they are skipped, named). Left out, though
+any registered method may be listed: the Fisher methods (another upload), the matching methods
+(below FedAvg on most of fedfuse's settings) and the trainers (``kd``, ``fs-merge``, ``dense``:
+minutes each). What the sites send is what the listed methods read: :meth:`Auto.needs` is their
+union (plus what scores them), so the default list asks the sites for Gram matrices (for
+``regmean``); leave out ``regmean`` and ``regmean-fs`` not to send them.
 
-**Measured** (issue 52; MLP 784-512-512-512 on Fashion-MNIST, independent starts, the paper's
-training, conductance scores, 400 fusion rows drawn from site 0; test accuracy in %; the
-whole test set; one thread on a loaded 2-core machine)::
-
-    M=auto,kf-linear,hf-linear,kf-trust,hf-trust,regmean,regmean-fs,fedavg,vanilla
-    OMP_NUM_THREADS=1 .venv/bin/fedfuse compare -m experiment=fmnist-mlp seed=0 \
-        partition=sharded sites=2 method=$M
-    OMP_NUM_THREADS=1 .venv/bin/fedfuse compare -m experiment=fmnist-mlp seed=0 \
-        partition=dirichlet sites=4 partition.alpha_min=0.3 partition.min_max_ratio=1.0 method=$M
-    (and seed=1; method=auto method.refit=false for the refit row; fusion_set.gaussian_samples=400)
-
-    cell        seed  auto (chosen)  kf-lin hf-lin kf-tr hf-tr regm  rm-fs fedavg  ens.  site
-    sharded 2   0     83.64 rm-fs    72.16  72.87  42.88 42.46 83.39 83.64 56.67   67.78 49.23
-    sharded 2   1     69.64 kf-lin   69.64  72.30  49.03 48.89 81.25 81.78 51.43   68.23 49.19
-    Dir(0.3) 4  0     85.86 kf-lin   85.86  85.69  60.36 58.93 82.93 83.80 62.95   82.76 78.11
-    Dir(0.3) 4  1     81.72 rm-fs    85.10  84.76  50.19 47.31 80.71 81.72 25.16   83.09 76.14
-
-(``rm-fs``: regmean-fs; ``ens.``: the sites' ensemble; ``site``: the best site; vanilla: at
-or below fedavg.)
-``auto`` matched the best method in 2 of 4 cells and lost 12.1 and 3.4 points in the others:
-with a fusion set drawn from one site the held-out rows show only that site's classes (5 of
-10 when sharded, 8 of 10 in the Dirichlet cells), so they rank the candidates by what they keep
-of site 0 and cannot see what they lose of the others. Before the trust methods were left out
-on unshown classes, ``auto`` chose ``kf-trust`` on the first cell (84.2% held out, 42.88%
-test). Refit against the winner as fitted on 70% of the rows (seed 0): 83.64 against 83.42
-(sharded), 85.86 against 86.02 (Dirichlet): no clear gain either way; ``refit`` stays on, so
-``auto`` returns the same model as running its choice alone. Cost: the candidates' fusions
-plus the refit, 14 s and 33 s here against 0.7-7.7 s for one method.
-
-With class Gaussians (``fusion_set.gaussian_samples=400``, seed 1, vanilla left out of
-the command's list; the held-out rows then show every class, drawn rows among them) the gap
-narrows but stays above a point: sharded 2: ``auto`` 81.26 (kf-trust) against regmean-fs
-83.06 (kf-linear 70.05, hf-linear 70.36, hf-trust 80.36, regmean 81.25); Dirichlet 4: 83.53
-(regmean-fs) against kf-linear 85.32 (hf-linear 84.93, kf-trust 80.58, hf-trust 79.72, regmean
-80.71); the ensembles 68.23 and 83.09.
+**Measured**: ``docs/results.md``, section "``auto``: the sites score the candidates" (issue
+52): scored on held-out fusion rows drawn from one site, ``auto`` lost up to 12 points to the
+best candidate; scored by the sites, it picked the best test-set candidate or one within
+a point of it (numbers and commands there).
 """
 
 from __future__ import annotations
