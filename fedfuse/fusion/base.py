@@ -349,6 +349,8 @@ INPUT_NEEDS = {
     "grams": "the sites' Gram matrices",
     "fisher": "the sites' Fisher information",
     "sites": "the sites themselves for statistics rounds (a Flower run, or LocalSites)",
+    "site_scores": "the sites' scores of a model on their own labelled rows (Flower's "
+    "evaluate message, or LocalSites with validation rows)",
 }
 
 

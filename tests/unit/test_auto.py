@@ -277,7 +277,7 @@ def test_the_sites_scores_decide_where_they_can_score(copies, models, inputs):
     assert trained["accuracy"] == pytest.approx((expected[0] * 50 + expected[1] * 50) / 100)
     by_fusion_set = Auto(candidates="copy-untrained,copy-trained", score_on="fusion-set")
     assert by_fusion_set.fuse(models, misleading).details["auto"]["chosen"] == "copy-untrained"
-    assert "sites" in method.needs() and "sites" not in by_fusion_set.needs()
+    assert "site_scores" in method.needs() and "site_scores" not in by_fusion_set.needs()
     assert "labels" not in Auto(candidates="fedavg", score_on="sites").needs()
 
 
@@ -313,3 +313,23 @@ def test_candidates_are_compared_on_the_sites_that_scored_them_all(copies, model
         Auto(candidates="fedavg", score_on="sites").fuse(models, inputs)
     with pytest.raises(ValueError, match="score_on must be one of"):
         Auto(score_on="test-set")
+
+
+class _CannotLoadUntrained(_SilentOnce):
+    """Sites that cannot load the untrained copy (as a plain app, a model of another width)."""
+
+    def score(self, model):
+        if torch.equal(model.state_dict()["levels.0.1.weight"], self.untrained):
+            raise ValueError("Net cannot load a model of widths (9, 6)")
+        return self.sites.score(model)
+
+
+def test_a_candidate_the_sites_cannot_score_is_named_and_the_others_compete(copies, models, inputs):
+    sites = _CannotLoadUntrained(_sites(models))
+    sites.untrained = models[1].state_dict()["levels.0.1.weight"]
+    method = Auto(candidates="copy-untrained,copy-trained", device="cpu")
+    report = method.fuse(models, replace(inputs, sites=sites)).details["auto"]
+    assert report["candidates"]["copy-untrained"] == {
+        "failed": "the sites cannot score it: Net cannot load a model of widths (9, 6)"
+    }
+    assert report["chosen"] == "copy-trained" and report["scored_by_sites"] == [0, 1]

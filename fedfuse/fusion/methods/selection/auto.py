@@ -168,7 +168,11 @@ class Auto(FusionMethod):
 
     def needs(self) -> frozenset[str]:
         """What any candidate reads, and what scores them: the sites, the labelled fusion set."""
-        scoring = {"auto": LABELLED | {"sites"}, "sites": {"sites"}, "fusion-set": LABELLED}
+        scoring = {
+            "auto": LABELLED | {"site_scores"},
+            "sites": {"site_scores"},
+            "fusion-set": LABELLED,
+        }
         return frozenset().union(
             scoring[self.score_on], *(m.needs() for m in self.candidate_methods())
         )
@@ -303,7 +307,12 @@ class Auto(FusionMethod):
             result = self._trial(method, models, inputs, target, report)
             if result is None:
                 continue
-            scores = sites.score(result.model)
+            try:
+                scores = sites.score(result.model)
+            except ValueError as error:  # e.g. a width the sites' own class cannot load
+                report[method.name] = {"failed": f"the sites cannot score it: {error}"}
+                log.warning("auto: the sites cannot score %s: %s", method.name, error)
+                continue
             report[method.name] = {
                 "site_scores": [None if s is None else vars(s).copy() for s in scores],
                 "seconds": time.perf_counter() - trial,
