@@ -140,12 +140,13 @@ def statistics_round(msg: Message, context: Context) -> Message:
 def score_model(msg: Message, context: Context) -> Message:
     """A scoring round (Flower's federated evaluation): the accuracy, loss and row count of the
     model the server sent on the site's training rows (it holds no held-out split;
-    :func:`~fedfuse.federation.site_score.score_on_site`). A site that cannot score answers
-    that it failed, and why."""
+    :func:`~fedfuse.federation.site_score.score_on_site`). A site whose policy does not send
+    ``"scores"`` refuses, naming it; one that cannot score answers that it failed, and why."""
     configure_logging()
     site = None
     try:
         site = site_of(context)
+        site_policy(context).check_scores()  # before the model is even read
         settings = RunSettings.from_config(context.run_config)
         model = unpack_score_request(msg.content)
         score = score_on_site(settings, model, site)

@@ -56,6 +56,7 @@ from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.upload_inputs import complete_fusion_set, fusion_inputs
 from fedfuse.federation.uploads import StoredUpload, UploadStore
 from fedfuse.fusion import FusionMethod, FusionResult, as_fusion_methods
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
 from fedfuse.fusion.statistics.class_gaussians import GaussianFusionSet
@@ -429,7 +430,7 @@ class OneShotFusion(UploadIntake, Strategy):
             fusion_set = self._fixed_fusion_set
         sites = (
             self._statistics_channel(models)
-            if any("sites" in method.needs() for method in self.methods)
+            if any(reads_sites(method.needs()) for method in self.methods)
             else None
         )
         inputs = complete_fusion_set(

@@ -26,6 +26,7 @@ SITE_INPUTS = {
     "grams": "Gram matrices",
     "fisher": "Fisher information",
     "sites": "statistics rounds",
+    "site_scores": "scores of models on their rows",
 }
 SERVER_INPUTS = {"data": "fusion set", "labels": "fusion-set labels"}
 

@@ -23,6 +23,7 @@ from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, SiteSetup, finetune_site, train_site
 from fedfuse.federation.upload_inputs import complete_fusion_set, fusion_inputs
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
 from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.fusion.statistics.rounds import statistics_round_bytes
@@ -102,7 +103,7 @@ def _fuse_library(
     elif needs & {"data", "labels"}:
         fusion_set = scenario.fusion_set()
     sites = None
-    if "sites" in needs:  # statistics rounds and scores (auto) answered in-process
+    if reads_sites(needs):  # statistics rounds and scores (auto) answered in-process
         shares = [scenario.client_data(pid) for pid in range(job.sites)]
         site_inputs = [share.inputs() for share in shares]
         validation = [(x, share.labels) for x, share in zip(site_inputs, shares, strict=True)]

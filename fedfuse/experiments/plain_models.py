@@ -32,6 +32,7 @@ from fedfuse.data import ImageDataset, load_dataset
 from fedfuse.experiments.user_models import OWN_SPECS, USER_MODELS, TemplateNet  # noqa: F401  (TemplateNet: re-exported for the example app)
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores
 from fedfuse.partitions import partition_labels, sample_fusion_set
@@ -131,7 +132,7 @@ def _trained_sites(
 ) -> tuple[list[nn.Module], dict]:
     """Each site's model trained on its share, and what the sites send besides the weights
     that the methods read (``needs``): DeepLIFT scores on 512 of its samples, Gram matrices,
-    and their data for statistics rounds."""
+    and their labelled rows for statistics rounds and scores."""
     adapter = None
     if not isinstance(build(), LeveledModel):  # a user's class, traced once
         adapter = ModelAdapter(build, input_shape).register()
@@ -150,7 +151,7 @@ def _trained_sites(
             grams.append(level_grams(leveled, data.inputs()))
         nets.append(net)
     extras: dict = {"scores": scores or None, "grams": grams or None}
-    if "sites" in needs:
+    if reads_sites(needs):  # statistics rounds, or scores on each site's labelled rows
         rows = [(data.inputs(), data.labels) for data in shares]
         extras["sites"] = LocalSites(nets, [x for x, _ in rows], validation=rows)
     return nets, extras

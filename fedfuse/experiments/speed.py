@@ -37,7 +37,7 @@ from fedfuse.experiments.speed_options import ARCHS as ARCHS  # light, for the C
 from fedfuse.experiments.speed_options import DEFAULT_METHODS, PLAIN_ARCHS
 from fedfuse.experiments.speed_plain import compare, format_comparison, own_counterpart, plain_spec
 from fedfuse.fusion import FusionInputs, make_fusion_method, parse_options
-from fedfuse.fusion.base import FusionMethod
+from fedfuse.fusion.base import FusionMethod, reads_sites
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.registry import FUSION_METHODS, parse_method_names, split_method_options
 from fedfuse.fusion.statistics.channels import LocalSites
@@ -246,10 +246,11 @@ def measure(
             ]
             method_inputs = dataclasses.replace(method_inputs, fisher=fisher)
             notes.append("Fisher on the fusion set, not timed")
-        if "sites" in method.needs():  # the sites' statistics are computed in the timed fusion
-            assert inputs.data is not None
+        if reads_sites(method.needs()):  # the sites' work (statistics, scores) is timed
+            assert inputs.data is not None and inputs.labels is not None
             parts = list(inputs.data.tensor_split(count))
-            sites = LocalSites(models, parts, device=torch_device)
+            labelled = list(zip(parts, inputs.labels.tensor_split(count), strict=True))
+            sites = LocalSites(models, parts, device=torch_device, validation=labelled)
             method_inputs = dataclasses.replace(method_inputs, sites=sites)
             notes.append(f"{count} sites in-process on parts of the fusion set, their work timed")
         if "labels" in method.needs():

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from fedfuse.data import ImageDataset
 from fedfuse.fusion import FUSION_METHODS, FusionResult
+from fedfuse.fusion.base import SITE_NEEDS
 from fedfuse.models.capture import predict
 
 
@@ -89,8 +90,9 @@ def describe_method(name: str) -> str:
 #: methods that do well where sites hold different classes (docs/results.md): the one-upload
 #: method and the one with statistics rounds that lead the class-sharded settings
 SKEW_ROBUST_METHODS = ("kf-sites", "regmean")
-#: inputs whose sending reveals statistics of a site's data beyond its model (docs/privacy.md)
-DATA_STATISTICS = frozenset({"grams", "fisher", "sites"})
+#: inputs whose sending reveals statistics of a site's data beyond its model (docs/privacy.md):
+#: Grams, Fisher, statistics rounds and a site's scores of the models the server sends
+DATA_STATISTICS = frozenset({"grams", "fisher"}) | SITE_NEEDS
 
 
 @dataclass(frozen=True)
@@ -208,8 +210,8 @@ def format_accuracy_table(
     if revealing:
         lines.append(
             f"{', '.join(revealing)}: the sites also send statistics of their data (Gram "
-            "matrices, Fisher information or statistics rounds); what that reveals: "
-            "docs/privacy.md"
+            "matrices, Fisher information, statistics rounds or scores of models); what that "
+            "reveals: docs/privacy.md"
         )
     return "\n".join(lines)
 

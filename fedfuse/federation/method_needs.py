@@ -26,7 +26,8 @@ def upload_request_for(
     declared needs say: Grams and Fisher kinds when a method reads them, the class Gaussians of
     ``gaussians``' rank when the run completes its fusion set from them and a method reads a
     fusion set, and the statistics rounds of site-fitted methods (as secure sums when
-    ``secure``)."""
+    ``secure``): ``"sites"`` only. The sites' scores of models (``"site_scores"``, ``auto``)
+    ask no rounds: a site's policy judges them when they are asked (``"scores"``)."""
     methods = list(methods)
     site_rounds = any("sites" in method.needs() for method in methods)
     return UploadRequest(

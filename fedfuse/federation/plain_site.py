@@ -29,6 +29,7 @@ from torch import nn
 from fedfuse.data.tensors import SampleSource, collect_samples
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FusionInputs, FusionMethod, LocalSites, as_fusion_methods
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.class_gaussians import ClassGaussians, fit_class_gaussians
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
@@ -200,6 +201,6 @@ def site_fusion_inputs(
         grams=field_of("grams", "grams"),
         fisher=[e.fisher for e in extras] if any(e.fisher for e in extras) else None,
         sites=LocalSites(models, [x for x, _ in samples], validation=samples)
-        if "sites" in needed
+        if reads_sites(needed)
         else None,
     )

@@ -27,16 +27,19 @@ from fedfuse.federation.upload_request import UploadRequest
 #: the statistics a site can send: Gram matrices with its upload (RegMean), the answers to
 #: statistics rounds (``kf-sites``, ``hf-sites``), its share of sums over sites that only
 #: pass through secure aggregation (``secure-aggregation=true``: the server sees the sum), and
-#: its Fisher information with its upload (Fisher merging, FedFisher), and its class Gaussians
+#: its Fisher information with its upload (Fisher merging, FedFisher), its class Gaussians
 #: with its upload (a mean and a low-rank covariance of its inputs per class, when the run
-#: completes its fusion set from them: :mod:`fedfuse.fusion.statistics.class_gaussians`)
-STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher", "class-gaussians")
+#: completes its fusion set from them: :mod:`fedfuse.fusion.statistics.class_gaussians`), and
+#: its scores of models the server sends (accuracy, loss and row count on its labelled rows:
+#: ``auto`` ranks its candidates by them; a server that chooses the model learns, e.g., the
+#: site's share of a class from a model that always predicts it)
+STATISTICS_KINDS = ("grams", "rounds", "secure-sums", "fisher", "class-gaussians", "scores")
 
 #: node-config key -> what it sets (the keys are listed in ``docs/deployment.md``)
 POLICY_KEYS = {
     "allow-methods": "comma list of the fusion methods the site takes part in ('*': any)",
-    "allow-statistics": "comma list of 'grams', 'rounds', 'secure-sums', 'fisher' and "
-    "'class-gaussians' the site sends ('none': none of them)",
+    "allow-statistics": "comma list of 'grams', 'rounds', 'secure-sums', 'fisher', "
+    "'class-gaussians' and 'scores' the site sends ('none': none of them)",
     "max-statistics-rounds": "statistics rounds the site answers in one run",
     "min-statistic-rows": "samples of the site a statistic must sum over, at least",
     "refuse-grams-below-fan-in": "refuse a Gram with fewer rows than its columns (true/false)",
@@ -53,7 +56,8 @@ class SitePolicy:
     Attributes:
         methods: the fusion methods the site takes part in (None: any).
         statistics: which of :data:`STATISTICS_KINDS` the site sends.
-        max_statistics_rounds: statistics rounds answered per run (None: no limit).
+        max_statistics_rounds: statistics rounds answered per run (None: no limit); the
+            site's scores of models (``"scores"``, :meth:`check_scores`) do not count.
         min_statistic_rows: a Gram or statistics reply must sum over at least this many of the
             site's samples.
         refuse_grams_below_fan_in: refuse a Gram whose design has fewer rows than columns (it
@@ -90,10 +94,8 @@ class SitePolicy:
         kinds = frozenset() if kinds == {"none"} else kinds
         unknown = sorted(kinds - set(STATISTICS_KINDS))
         if unknown:
-            raise ValueError(
-                f"{where}: allow-statistics names {unknown}; use 'grams', 'rounds', "
-                "'secure-sums', 'fisher', 'class-gaussians' or 'none'"
-            )
+            known = ", ".join(repr(kind) for kind in STATISTICS_KINDS)
+            raise ValueError(f"{where}: allow-statistics names {unknown}; use {known} or 'none'")
         if methods is not None:
             _check_method_names(methods, where)
         rounds = config.get("max-statistics-rounds")
@@ -180,6 +182,16 @@ class SitePolicy:
             raise SiteRefusal(
                 f"site policy: max-statistics-rounds={self.max_statistics_rounds} answered "
                 "already in this run"
+            )
+
+    def check_scores(self) -> None:
+        """Refuse to score a model the server sends (a scoring round, Flower's federated
+        evaluation) when the site does not send ``"scores"``; scoring rounds are not counted
+        against ``max_statistics_rounds``."""
+        if "scores" not in self.statistics:
+            raise SiteRefusal(
+                "site policy: scores of models are not in allow-statistics="
+                f"{','.join(sorted(self.statistics)) or 'none'}"
             )
 
 

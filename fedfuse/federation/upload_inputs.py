@@ -20,6 +20,7 @@ from torch import nn
 from fedfuse.data import ImageDataset
 from fedfuse.federation.uploads import ClientUpload, UploadStore
 from fedfuse.fusion import FusionInputs
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.inversion import InvertedFusionSet
 from fedfuse.fusion.statistics.class_gaussians import ClassGaussians, GaussianFusionSet
 from fedfuse.models.importance import Scores
@@ -115,9 +116,10 @@ def fusion_inputs(
 ) -> FusionInputs:
     """The :class:`~fedfuse.fusion.FusionInputs` of a fusion: the fusion set's inputs and labels
     (None without one; an ``ImageDataset``, or ``(inputs, labels)`` already normalised), the
-    sites' facts (:func:`upload_facts`) and ``sites``, the channel of statistics rounds (None:
-    none). With ``needs`` (a method's :meth:`~fedfuse.fusion.FusionMethod.needs`), the other
-    fields are left None."""
+    sites' facts (:func:`upload_facts`) and ``sites``, the channel of statistics rounds and
+    scores (None: none). With ``needs`` (a method's :meth:`~fedfuse.fusion.FusionMethod.needs`),
+    the other fields are left None (``sites`` is kept for either need it serves:
+    :func:`~fedfuse.fusion.base.reads_sites`)."""
     facts = upload_facts(uploads)
     if isinstance(fusion_set, ImageDataset):
         data, labels = fusion_set.inputs(), fusion_set.labels
@@ -134,6 +136,6 @@ def fusion_inputs(
         "sites": sites,
     }
     if needs is not None:
-        wanted = set(needs)
+        wanted = set(needs) | ({"sites"} if reads_sites(needs) else set())
         fields = {k: v for k, v in fields.items() if k in wanted}
     return FusionInputs(**fields)

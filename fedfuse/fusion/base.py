@@ -353,6 +353,17 @@ INPUT_NEEDS = {
     "evaluate message, or LocalSites with validation rows)",
 }
 
+#: the needs served by :attr:`FusionInputs.sites`: statistics rounds, and the sites' scores of
+#: a model. A runner gives a method the sites when it reads either (:func:`reads_sites`); only
+#: ``"sites"`` asks them for statistics rounds (:mod:`fedfuse.federation.method_needs`)
+SITE_NEEDS = frozenset({"sites", "site_scores"})
+
+
+def reads_sites(needs: Iterable[str]) -> bool:
+    """Whether a method that reads ``needs`` (its :meth:`FusionMethod.needs`) is given the
+    sites themselves (:attr:`FusionInputs.sites`): for statistics rounds or their scores."""
+    return not SITE_NEEDS.isdisjoint(needs)
+
 
 def plain_model_adapter(
     models: Sequence[LeveledModel | nn.Module], inputs: FusionInputs

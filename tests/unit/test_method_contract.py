@@ -26,6 +26,7 @@ from fedfuse.fusion import (
     LocalSites,
     make_fusion_method,
 )
+from fedfuse.fusion.base import SITE_NEEDS
 from fedfuse.fusion.inputs import INPUT_FIELDS, PER_MODEL_FIELDS
 from fedfuse.fusion.methods.regression.regmean import level_grams
 from fedfuse.fusion.statistics.fisher import FISHER_KINDS, site_fisher
@@ -226,13 +227,15 @@ def test_the_method_and_its_config_pickle(name, models, full):
 def test_needs_cover_what_the_method_reads(name, models, full):
     fusion = method(name)
     needs, required = fusion.needs(), fusion.requirements()
-    assert needs <= set(INPUT_FIELDS)
     assert type(fusion).requires <= required <= needs
+    # the fields read: the sites serve both statistics rounds and scores (site_scores)
+    fields = {"sites" if need in SITE_NEEDS else need for need in needs}
+    assert fields <= set(INPUT_FIELDS)
     expected = fusion.fuse(models, full).model
-    unused = sorted(set(INPUT_FIELDS) - needs)
+    unused = sorted(set(INPUT_FIELDS) - fields)
     # every field outside needs() may go at once: the fused model is the same
     assert_same_weights(fusion.fuse(models, without(full, *unused)).model, expected)
-    for field in sorted(needs - required):  # used when given, with a fallback otherwise
+    for field in sorted(fields - required):  # used when given, with a fallback otherwise
         fused = fusion.fuse(models, without(full, field)).model
         assert fused.spec.with_widths(SPEC.widths) == SPEC
     for field in sorted(required):
