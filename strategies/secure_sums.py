@@ -66,7 +66,7 @@ class SecureSettings:
 
 def check_secure_methods(methods: Sequence[FusionMethod]) -> None:
     """Refuse, before any site trains, a method that would send the server anything per site
-    that secure aggregation is meant to hide (per-site statistics, Grams or Fisher)."""
+    that secure aggregation is meant to hide (per-site statistics, Grams, Fisher or scores)."""
     for method in methods:
         if "grams" in method.needs():
             raise ValueError(
@@ -78,6 +78,12 @@ def check_secure_methods(methods: Sequence[FusionMethod]) -> None:
             raise ValueError(
                 f"secure-aggregation=true: {method.name} reads each site's Fisher information; "
                 "use regmean-sums or kf-sites-sums, which need sums over the sites only"
+            )
+        if "site_scores" in method.needs():
+            raise ValueError(
+                f"secure-aggregation=true: {method.name} reads each site's scores of its "
+                f"candidates; set {method.name}.score_on=fusion-set to score them on the "
+                "server's fusion set"
             )
         if "sites" in method.needs() and getattr(method, "statistics", "sums") != "sums":
             raise ValueError(

@@ -17,6 +17,7 @@ from fedfuse.clients.sum_records import pack_sum_request, unpack_sum_request
 from fedfuse.fusion import FusionInputs, KFSites, LocalSites, StatisticsRequest
 from fedfuse.fusion.methods.regression.regmean import RegMean, level_grams
 from fedfuse.fusion.methods.regression.regmean_sums import GramTermsRequest
+from fedfuse.fusion.methods.selection.auto import Auto
 from fedfuse.fusion.statistics.fixed_point import FixedPoint, quantization_levels
 from fedfuse.fusion.statistics.summed_terms import (
     NORMS_CLIP,
@@ -184,4 +185,7 @@ def test_secure_aggregation_refuses_methods_that_read_each_site():
         check_secure_methods([RegMean()])
     with pytest.raises(ValueError, match="kf-sites-sums"):
         check_secure_methods([KFSites()])
+    with pytest.raises(ValueError, match="auto reads each site's scores.*auto.score_on=fusion"):
+        check_secure_methods([Auto(candidates="kf-linear,fedavg")])
     check_secure_methods([RegMean(grams="sums"), KFSites(statistics="sums")])
+    check_secure_methods([Auto(candidates="kf-linear,fedavg", score_on="fusion-set")])
