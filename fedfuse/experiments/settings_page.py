@@ -424,6 +424,14 @@ def settings_markdown(results_dir: Path = RESULTS_DIR) -> str:
         "methods that were run in a setting compete there. How these numbers came about, step "
         "by step: the lab notebook [results.md](results.md).",
         "",
+        "Your setting is not here, or your models were trained another way? Let the run choose: "
+        "`method=auto` fuses with each of its candidates (`kf-sites`, `hf-sites`, `kf-linear`, "
+        "`hf-linear`, `kf-trust`, `hf-trust`, `regmean`, `regmean-fs`, `fedavg`, `vanilla`) and "
+        "keeps the one the sites score best on their own rows (Flower's `evaluate` message), "
+        "or, where the sites cannot score, the best on held-out fusion rows; "
+        '`details["auto"]` in results.json says why. What it costs and how close it comes '
+        "to the best candidate: results.md, section `auto`.",
+        "",
     ]
     for table in tables:
         lines += table_markdown(table) + [""]
