@@ -61,13 +61,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fedfuse.fusion.base import INPUT_NEEDS, FusionInputs, FusionMethod
+from fedfuse.fusion.base import INPUT_NEEDS, FusionInputs, FusionMethod, FusionResult
 from fedfuse.fusion.methods.selection.criteria import (
     SCORE_ON,
     held_out_scores,
@@ -276,14 +276,34 @@ class Auto(FusionMethod):
             return f"time budget of {self.time_budget:g} s spent ({elapsed:.1f} s)"
         return None
 
-    def _trial(self, method, models, inputs, target, report) -> Any | None:
-        """``method`` fused (its result), or None with the failure in ``report``."""
-        try:
-            return method.fuse(models, inputs, target=target)
-        except (ValueError, RuntimeError) as error:
-            report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
-            log.warning("auto: %s failed: %s", method.name, error)
-            return None
+    def _trials(
+        self,
+        runnable: Sequence[FusionMethod],
+        models: list[LeveledModel],
+        inputs: FusionInputs,
+        target: ModelSpec,
+        report: dict[str, dict[str, Any]],
+        started: float,
+    ) -> Iterator[tuple[FusionMethod, FusionResult, float]]:
+        """``(method, result, when its trial began)`` for each candidate that fuses within the
+        budget; the others' reasons (skipped, failed) go into ``report``."""
+        for order, method in enumerate(runnable):
+            if skipped := self._over_budget(order, started):
+                report[method.name] = {"skipped": skipped}
+                continue
+            began = time.perf_counter()
+            try:
+                yield method, method.fuse(models, inputs, target=target), began
+            except (ValueError, RuntimeError) as error:
+                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
+                log.warning("auto: %s failed: %s", method.name, error)
+
+    def _none_fused(self, report: dict[str, dict[str, Any]]) -> ValueError:
+        """The error when every candidate failed or was skipped, with each reason."""
+        reasons = "; ".join(
+            f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
+        )
+        return ValueError(f"{self.name}: every candidate failed: {reasons}")
 
     def _by_sites(
         self,
@@ -299,14 +319,9 @@ class Auto(FusionMethod):
         accuracy (then loss, then order) over the sites that scored them all. None when no
         site scored every candidate (the fusion set decides then)."""
         trials = []
-        for order, method in enumerate(runnable):
-            if skipped := self._over_budget(order, started):
-                report[method.name] = {"skipped": skipped}
-                continue
-            trial = time.perf_counter()
-            result = self._trial(method, models, inputs, target, report)
-            if result is None:
-                continue
+        for method, result, began in self._trials(
+            runnable, models, inputs, target, report, started
+        ):
             try:
                 scores = sites.score(result.model)
             except ValueError as error:  # e.g. a width the sites' own class cannot load
@@ -315,14 +330,11 @@ class Auto(FusionMethod):
                 continue
             report[method.name] = {
                 "site_scores": [None if s is None else vars(s).copy() for s in scores],
-                "seconds": time.perf_counter() - trial,
+                "seconds": time.perf_counter() - began,
             }
             trials.append((method, result, scores))
         if not trials:
-            reasons = "; ".join(
-                f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
-            )
-            raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+            raise self._none_fused(report)
         answered = sites_answering_all([scores for _, _, scores in trials])
         problems = list(getattr(sites, "problems", []))
         if not answered:
@@ -367,27 +379,19 @@ class Auto(FusionMethod):
         fit_inputs = replace(inputs, data=inputs.data[fit], labels=inputs.labels[fit])
         held_data, held_labels = inputs.data[held], inputs.labels[held]
         best: tuple[float, float, FusionMethod, LeveledModel, dict[str, Any]] | None = None
-        for order, method in enumerate(runnable):
-            if skipped := self._over_budget(order, started):
-                report[method.name] = {"skipped": skipped}
-                continue
-            trial = time.perf_counter()
-            result = self._trial(method, models, fit_inputs, target, report)
-            if result is None:
-                continue
+        for method, result, began in self._trials(
+            runnable, models, fit_inputs, target, report, started
+        ):
             accuracy, loss = held_out_scores(
                 result.model, held_data, held_labels, batch_size=self.batch_size, device=self.device
             )
-            seconds = time.perf_counter() - trial
+            seconds = time.perf_counter() - began
             report[method.name] = {"accuracy": accuracy, "loss": loss, "seconds": seconds}
             log.info("auto: %s held-out accuracy %.4f loss %.4f", method.name, accuracy, loss)
             if best is None or (accuracy, -loss) > (best[0], -best[1]):
                 best = (accuracy, loss, method, result.model, result.details)
         if best is None:
-            reasons = "; ".join(
-                f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
-            )
-            raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+            raise self._none_fused(report)
         _, _, method, model, details = best
         refit = self.refit and bool(method.needs() & LABELLED)
         if refit:
@@ -442,10 +446,7 @@ class Auto(FusionMethod):
             summary = {"chosen": method.name, "why": why, "criterion": "fallback: list order",
                        "candidates": report, "refit": False}  # fmt: skip
             return result.model, {**result.details, "auto": summary}
-        reasons = "; ".join(
-            f"{n}: {r.get('failed') or r.get('skipped')}" for n, r in report.items()
-        )
-        raise ValueError(f"{self.name}: every candidate failed: {reasons}")
+        raise self._none_fused(report)
 
 
 def _skip_reason(
