@@ -215,3 +215,21 @@ def assert_same_table(printed: list[list[str]], shown: list[list[str]]) -> None:
         assert abs(float(got[1].rstrip("%")) - float(want[1].rstrip("%"))) <= 3.0, (got, want)
         assert abs(float(got[2]) - float(want[2])) <= 0.02, (got, want)
         assert got[3:] == want[3:], (got, want)
+
+
+#: the input shape of :class:`SmallNet`
+SMALL_NET_SHAPE = (1, 6, 6)
+
+
+class SmallNet(torch.nn.Module):
+    """A user's own small CNN on 1x6x6 inputs, 3 classes (a chain, as Flower's template ``Net``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.fc1 = torch.nn.Linear(4 * 4 * 4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.flatten(torch.relu(self.conv(x)), 1)
+        return self.fc2(torch.relu(self.fc1(x)))

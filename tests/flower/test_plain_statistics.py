@@ -27,23 +27,10 @@ from fedfuse.fusion.statistics.rounds import StatisticsRequest
 from fedfuse.models import ModelAdapter
 from fedfuse.strategies import MethodsUnfit, OneShotFusion
 from tests.fakes import HeldReplies
+from tests.helpers import SMALL_NET_SHAPE, SmallNet
 
 pytestmark = pytest.mark.usefixtures("task_identity", "one_thread")
-SHAPE = (1, 6, 6)
-
-
-class SmallNet(nn.Module):
-    """A user's own small CNN (a chain, as Flower's template ``Net``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc1 = nn.Linear(4 * 4 * 4, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.flatten(torch.relu(self.conv(x)), 1)
-        return self.fc2(torch.relu(self.fc1(x)))
+SHAPE = SMALL_NET_SHAPE
 
 
 class ResidualNet(nn.Module):

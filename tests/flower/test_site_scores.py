@@ -24,7 +24,7 @@ from fedfuse.models import build_model
 from fedfuse.strategies import OneShotFusion
 from fedfuse.strategies.statistics_rounds import FlowerSites
 from tests.fakes import HeldReplies, SitesGrid
-from tests.helpers import quick_site_settings
+from tests.helpers import SMALL_NET_SHAPE, SmallNet, quick_site_settings
 
 pytestmark = pytest.mark.usefixtures("task_identity", "one_thread")
 SETTINGS = quick_site_settings()
@@ -141,21 +141,8 @@ def test_a_site_that_fails_answers_garbage_or_stays_silent_is_none_and_named():
 
 
 # --------------------------------------------------------------------------- a plain ClientApp
-SHAPE = (1, 6, 6)
-
-
-class Net(nn.Module):
-    """A user's own small CNN, as Flower's template writes one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(1, 4, 3)
-        self.fc1 = nn.Linear(4 * 4 * 4, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.flatten(torch.relu(self.conv(x)), 1)
-        return self.fc2(torch.relu(self.fc1(x)))
+SHAPE = SMALL_NET_SHAPE
+Net = SmallNet  # a user's own small CNN, as Flower's template writes one
 
 
 def _loader(node: int) -> DataLoader:
