@@ -62,7 +62,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -95,6 +95,17 @@ DEFAULT_CANDIDATES = (
 )
 #: the inputs that make a labelled fusion set
 LABELLED = frozenset({"data", "labels"})
+
+
+@dataclass
+class _Selection:
+    """One fusion by ``auto``: what every candidate fuses and the report of them."""
+
+    models: list[LeveledModel]
+    inputs: FusionInputs
+    target: ModelSpec
+    started: float
+    report: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @register_fusion_method
@@ -228,42 +239,33 @@ class Auto(FusionMethod):
     def _fuse(
         self, models: list[LeveledModel], inputs: FusionInputs, target: ModelSpec
     ) -> tuple[LeveledModel, dict[str, Any]]:
-        started = time.perf_counter()
         sites = scoring_sites(inputs) if self.score_on != "fusion-set" else None
         if self.score_on == "sites" and sites is None:
             raise ValueError(
                 f"{self.name}: score_on='sites', but the inputs' sites cannot score a model "
                 "(give LocalSites validation rows, or run in a Flower app)"
             )
-        report: dict[str, dict[str, Any]] = {}
+        run = _Selection(models, inputs, target, started=time.perf_counter())
         if sites is not None:
-            runnable = self._runnable(models, inputs, report, by_sites=True)
-            chosen = self._by_sites(sites, runnable, models, inputs, target, report, started)
+            chosen = self._by_sites(run, self._runnable(run, by_sites=True), sites)
             if chosen is not None:
                 return chosen
-        runnable = self._runnable(models, inputs, report, by_sites=False)
+        runnable = self._runnable(run, by_sites=False)
         split = self._split(inputs)
         if isinstance(split, str):
-            return self._fallback(runnable, models, inputs, target, report, split)
-        return self._by_fusion_set(split, runnable, models, inputs, target, report, started)
+            return self._fallback(run, runnable, split)
+        return self._by_fusion_set(run, runnable, split)
 
-    def _runnable(
-        self,
-        models: list[LeveledModel],
-        inputs: FusionInputs,
-        report: dict[str, dict[str, Any]],
-        *,
-        by_sites: bool,
-    ) -> list[FusionMethod]:
-        """The candidates that can be tried; the others' reasons go into ``report``."""
+    def _runnable(self, run: _Selection, *, by_sites: bool) -> list[FusionMethod]:
+        """The candidates that can be tried; the others' reasons go into the report."""
         runnable = []
         for method in self.candidate_methods():
-            reason = _skip_reason(method, models, inputs, by_sites=by_sites)
-            report[method.name] = {"skipped": reason} if reason else {}
+            reason = _skip_reason(method, run.models, run.inputs, by_sites=by_sites)
+            run.report[method.name] = {"skipped": reason} if reason else {}
             if not reason:
                 runnable.append(method)
         if not runnable:
-            reasons = "; ".join(f"{n}: {r['skipped']}" for n, r in report.items())
+            reasons = "; ".join(f"{n}: {r['skipped']}" for n, r in run.report.items())
             raise ValueError(
                 f"{self.name}: none of its candidates can fuse these inputs: {reasons}"
             )
@@ -278,24 +280,24 @@ class Auto(FusionMethod):
 
     def _trials(
         self,
+        run: _Selection,
         runnable: Sequence[FusionMethod],
-        models: list[LeveledModel],
         inputs: FusionInputs,
-        target: ModelSpec,
-        report: dict[str, dict[str, Any]],
-        started: float,
+        *,
+        budget: bool = True,
     ) -> Iterator[tuple[FusionMethod, FusionResult, float]]:
-        """``(method, result, when its trial began)`` for each candidate that fuses within the
-        budget; the others' reasons (skipped, failed) go into ``report``."""
+        """``(method, result, when its trial began)`` for each candidate that fuses with
+        ``inputs`` (within the time budget, unless not ``budget``); the others' reasons
+        (skipped, failed) go into the report."""
         for order, method in enumerate(runnable):
-            if skipped := self._over_budget(order, started):
-                report[method.name] = {"skipped": skipped}
+            if budget and (skipped := self._over_budget(order, run.started)):
+                run.report[method.name] = {"skipped": skipped}
                 continue
             began = time.perf_counter()
             try:
-                yield method, method.fuse(models, inputs, target=target), began
+                yield method, method.fuse(run.models, inputs, target=run.target), began
             except (ValueError, RuntimeError) as error:
-                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
+                run.report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
                 log.warning("auto: %s failed: %s", method.name, error)
 
     def _none_fused(self, report: dict[str, dict[str, Any]]) -> ValueError:
@@ -306,22 +308,13 @@ class Auto(FusionMethod):
         return ValueError(f"{self.name}: every candidate failed: {reasons}")
 
     def _by_sites(
-        self,
-        sites: SiteScoring,
-        runnable: Sequence[FusionMethod],
-        models: list[LeveledModel],
-        inputs: FusionInputs,
-        target: ModelSpec,
-        report: dict[str, dict[str, Any]],
-        started: float,
+        self, run: _Selection, runnable: Sequence[FusionMethod], sites: SiteScoring
     ) -> tuple[LeveledModel, dict[str, Any]] | None:
         """Each candidate fused with every input and scored by the sites; the best by pooled
         accuracy (then loss, then order) over the sites that scored them all. None when no
         site scored every candidate (the fusion set decides then)."""
-        trials = []
-        for method, result, began in self._trials(
-            runnable, models, inputs, target, report, started
-        ):
+        report, trials = run.report, []
+        for method, result, began in self._trials(run, runnable, run.inputs):
             try:
                 scores = sites.score(result.model)
             except ValueError as error:  # e.g. a width the sites' own class cannot load
@@ -364,24 +357,19 @@ class Auto(FusionMethod):
 
     def _by_fusion_set(
         self,
-        split: tuple[torch.Tensor, torch.Tensor],
+        run: _Selection,
         runnable: Sequence[FusionMethod],
-        models: list[LeveledModel],
-        inputs: FusionInputs,
-        target: ModelSpec,
-        report: dict[str, dict[str, Any]],
-        started: float,
+        split: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[LeveledModel, dict[str, Any]]:
         """Each candidate fused on the fit rows and scored on the held-out rows; the winner
         refitted on every row (``refit``)."""
         fit, held = split
+        inputs, report = run.inputs, run.report
         assert inputs.data is not None and inputs.labels is not None
         fit_inputs = replace(inputs, data=inputs.data[fit], labels=inputs.labels[fit])
         held_data, held_labels = inputs.data[held], inputs.labels[held]
         best: tuple[float, float, FusionMethod, LeveledModel, dict[str, Any]] | None = None
-        for method, result, began in self._trials(
-            runnable, models, fit_inputs, target, report, started
-        ):
+        for method, result, began in self._trials(run, runnable, fit_inputs):
             accuracy, loss = held_out_scores(
                 result.model, held_data, held_labels, batch_size=self.batch_size, device=self.device
             )
@@ -395,7 +383,7 @@ class Auto(FusionMethod):
         _, _, method, model, details = best
         refit = self.refit and bool(method.needs() & LABELLED)
         if refit:
-            result = method.fuse(models, inputs, target=target)
+            result = method.fuse(run.models, inputs, target=run.target)
             model, details = result.model, result.details
         summary = {
             "chosen": method.name,
@@ -420,21 +408,11 @@ class Auto(FusionMethod):
         return fit, held
 
     def _fallback(
-        self,
-        runnable: Sequence[FusionMethod],
-        models: list[LeveledModel],
-        inputs: FusionInputs,
-        target: ModelSpec,
-        report: dict[str, dict[str, Any]],
-        missing: str,
+        self, run: _Selection, runnable: Sequence[FusionMethod], missing: str
     ) -> tuple[LeveledModel, dict[str, Any]]:
         """The first runnable candidate that fuses, unscored."""
-        for method in runnable:
-            try:
-                result = method.fuse(models, inputs, target=target)
-            except (ValueError, RuntimeError) as error:
-                report[method.name] = {"failed": f"{type(error).__name__}: {error}"}
-                continue
+        report = run.report
+        for method, result, _ in self._trials(run, runnable, run.inputs, budget=False):
             report[method.name] = {"seconds": result.seconds}
             for other in runnable:
                 report[other.name] = report[other.name] or {"skipped": f"not tried: {missing}"}
