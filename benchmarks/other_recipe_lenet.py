@@ -111,6 +111,7 @@ from fedfuse.fusion import (
     make_fusion_method,
     parse_options,
 )
+from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.statistics.fisher import site_fisher
 from fedfuse.models import build_model
 from fedfuse.models.lenet import lenet5_spec
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec, method in methods.items():
         # each method is given the sites' extras it reads, so that the others run as before
         given = {k: v for k, v in extras.items() if k in method.needs()}
-        if method.needs() & {"sites", "site_scores"}:
+        if reads_sites(method.needs()):
             given["sites"] = sites
         method_inputs = dataclasses.replace(inputs, **given)
         if spec == "exact-fisher":
