@@ -8,7 +8,11 @@ default). Every listed method fuses the sites' models through
 ``hf-sites`` fit on each site's own training data (statistics rounds, in-process). The table
 compares them with the best single site and the ensemble, mean ± std over seeds. With ``--own``
 fedfuse's own architecture of the same shape (:data:`~.user_models.OWN_SPECS`) is trained with
-the same recipe on the same split and fused by the same methods (rows ``own ...``).
+the same recipe on the same split and fused by the same methods (rows ``own ...``). With
+``--gaussian-samples N`` each site also fits its class Gaussians on its training data
+(:mod:`fedfuse.fusion.statistics.class_gaussians`, one upload) and the server completes its
+fusion set with ``N`` rows per site drawn from them, for every method that reads a fusion set
+(``fusion_set.gaussian_samples`` of ``fedfuse compare``).
 
 Run: ``python -m fedfuse.experiments.plain_models --sites 2 --seeds 0 1 2`` (prints a Markdown
 table and writes it as JSON beside ``--output``); ``--model resnet18 --own`` for torchvision's
@@ -34,6 +38,11 @@ from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.statistics.class_gaussians import (
+    GaussianFusionSet,
+    fit_class_gaussians,
+    upload_rank,
+)
 from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores
 from fedfuse.partitions import partition_labels, sample_fusion_set
 from fedfuse.runtime import configure_logging
@@ -75,12 +84,14 @@ def run_seed(
     model: str = "template",
     own: bool = False,
     train_samples: int = 0,
+    gaussian_samples: int = 0,
 ) -> dict[str, dict[str, float]]:
     """One seed: train the sites, fuse with every method, evaluate; accuracy and fusion time.
 
     ``model`` names a :data:`~.user_models.USER_MODELS` entry; ``own`` adds fedfuse's own
     architecture of its shape, trained and fused alike (rows prefixed ``own``);
-    ``train_samples`` caps each site's training share (0: all of it)."""
+    ``train_samples`` caps each site's training share (0: all of it); ``gaussian_samples``
+    rows per site drawn from the sites' class Gaussians complete the fusion set (0: none)."""
     labels = train_set.labels.numpy()
     options = {"alpha_min": 0.5} if partitioner == "dirichlet" else {}
     parts = partition_labels(partitioner, labels, sites, seed=seed, **options)
@@ -98,6 +109,12 @@ def run_seed(
         builders["own "] = lambda: build_model(spec)
     row: dict[str, dict[str, float]] = {}
     needs = set().union(*(make_fusion_method(name).needs() for name in methods))
+    completion = GaussianFusionSet(gaussian_samples, seed=seed + 3)  # as fedfuse compare's
+    rank = upload_rank(completion, [make_fusion_method(name) for name in methods])
+    # each site's upload, fitted on its training data (the server draws from them)
+    gaussians = [
+        fit_class_gaussians(s.inputs(), s.labels, s.num_classes, rank=rank) for s in shares if rank
+    ]
     for prefix, build in builders.items():
         nets, extras = _trained_sites(build, shares, train_set.input_shape, seed, epochs, needs)
         inputs = FusionInputs(
@@ -106,6 +123,8 @@ def run_seed(
             sample_counts=[len(share) for share in shares],
             **extras,
         )
+        if rank:
+            inputs = completion.complete_inputs(inputs, gaussians)
         fused, seconds = {}, {}
         for name in methods:
             method = make_fusion_method(name)
@@ -183,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
     parser.add_argument("--methods", default=None, help="comma list (default: by model)")
+    parser.add_argument(
+        "--gaussian-samples",
+        type=int,
+        default=0,
+        help="rows per site drawn from its class Gaussians to complete the fusion set (0: off)",
+    )
     parser.add_argument("--output", default="bench-results/plain-models.json")
     args = parser.parse_args(argv)
     configure_logging()
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 model=args.model,
                 own=args.own,
                 train_samples=args.train_samples,
+                gaussian_samples=args.gaussian_samples,
             )
         )
         log.info("seed %d: %s", seed, json.dumps(rows[-1]))

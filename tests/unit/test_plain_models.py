@@ -71,3 +71,17 @@ def test_torchvision_models_trained_on_sites_are_fused_beside_fedfuse_s_own(fash
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in row.values())
     # sharded sites know disjoint classes: fitting the fused model beats averaging weights
     assert row["kf-sites"]["accuracy"] > row["fedavg"]["accuracy"]
+
+
+def test_gaussian_samples_complete_the_fusion_set_of_the_methods_that_read_one(fashion, caplog):
+    """``gaussian_samples``: each site fits its class Gaussians and the server draws that many
+    rows per site into its fusion set, for a method that reads one; RegMean reads Grams only,
+    so nothing is fitted or drawn for it."""
+    with caplog.at_level("INFO", logger="fedfuse.fusion.statistics.class_gaussians"):
+        row = _seed_0(fashion, sites=2, methods=("kf-trust",), gaussian_samples=30)
+    assert 0.0 <= row["kf-trust"]["accuracy"] <= 1.0
+    assert "fusion set completed with 30 Gaussian rows per site (2 sites)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fedfuse.fusion.statistics.class_gaussians"):
+        _seed_0(fashion, sites=2, methods=("regmean",), gaussian_samples=30)
+    assert "Gaussian rows" not in caplog.text
