@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 from torch import nn
 
@@ -135,21 +135,15 @@ class FlowerSites:
                 f"{type(model).__name__}"
             )
         asked = [index for index in range(len(self.nodes)) if index not in self.unscored]
-        messages = [
-            Message(content=content, message_type=SCORE_MESSAGE, dst_node_id=self.nodes[index])
-            for index in asked
-        ]
         scores: list[SiteScore | None] = [None] * len(self.nodes)
-        replies = replies_by_site(
-            self.grid,
-            messages,
-            [self.nodes[index] for index in asked],
-            self.timeout,
-            lambda position: self._unscored(asked[position], "no score before the reply timeout"),
-            max_in_flight=self.max_in_flight,
+        replies = self._ask(
+            asked,
+            lambda index: content,
+            SCORE_MESSAGE,
+            lambda index: self._unscored(index, "no score before the reply timeout"),
         )
-        for position, reply in replies:
-            scores[asked[position]] = self._decode_score(reply, asked[position])
+        for index, reply in replies:
+            scores[index] = self._decode_score(reply, index)
         log.info(
             "scoring round: %d of %d sites scored the model in %.1f s (%d asked)",
             sum(s is not None for s in scores),
@@ -163,25 +157,15 @@ class FlowerSites:
 
         started = time.monotonic()
         asked = [index for index in range(len(self.nodes)) if index not in self.refused]
-        messages = [
-            Message(
-                content=pack_statistics_request(request.for_site(index), self.models[index]),
-                message_type=STATISTICS_MESSAGE,
-                dst_node_id=self.nodes[index],
-            )
-            for index in asked
-        ]
         answers: list[SiteStatistics | None] = [None] * len(self.nodes)
-        replies = replies_by_site(
-            self.grid,
-            messages,
-            [self.nodes[index] for index in asked],
-            self.timeout,
-            lambda position: self._note(asked[position], "no statistics before the reply timeout"),
-            max_in_flight=self.max_in_flight,
+        replies = self._ask(
+            asked,
+            lambda index: pack_statistics_request(request.for_site(index), self.models[index]),
+            STATISTICS_MESSAGE,
+            lambda index: self._note(index, "no statistics before the reply timeout"),
         )
-        for position, reply in replies:
-            answers[asked[position]] = self._decode(reply, asked[position], request)
+        for index, reply in replies:
+            answers[index] = self._decode(reply, index, request)
         self.rounds.append(
             {"level": request.level, "piece": request.piece, "seconds": time.monotonic() - started}
         )
@@ -285,6 +269,31 @@ class FlowerSites:
         except ValueError as error:
             self._unscored(index, str(error).removeprefix(f"{name}: "))
             return None
+
+    def _ask(
+        self,
+        asked: list[int],
+        content_of: Callable[[int], RecordDict],
+        message_type: str,
+        silent: Callable[[int], None],
+    ) -> Iterator[tuple[int, Message]]:
+        """One message of ``message_type`` to each site of ``asked`` (its content
+        ``content_of(index)``); ``(site index, reply)`` as the replies come, and ``silent(index)``
+        for each site that did not answer before the reply timeout."""
+        messages = [
+            Message(content=content_of(i), message_type=message_type, dst_node_id=self.nodes[i])
+            for i in asked
+        ]
+        replies = replies_by_site(
+            self.grid,
+            messages,
+            [self.nodes[i] for i in asked],
+            self.timeout,
+            lambda position: silent(asked[position]),
+            max_in_flight=self.max_in_flight,
+        )
+        for position, reply in replies:
+            yield asked[position], reply
 
     def _unscored(self, index: int, problem: str) -> None:
         """Site ``index`` gave no score (``problem``): named, and not asked again."""
