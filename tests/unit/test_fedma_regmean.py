@@ -147,7 +147,7 @@ def test_fedma_chooses_sigma_on_the_fusion_set(x):
     spec = mlp_spec((1, 4, 4), 3, (8, 6))
     models = [build_model(spec, seed=s) for s in range(3)]
     inputs = _labelled(x)
-    method = FedMAMatching(sigma=0.4, grid=5)
+    method = FedMAMatching(sigma=0.4, grid=5, max_width=0)  # the sigma alone (cap: 1.5x)
     assert method.needs() == {"class_counts", "data", "labels"}
     result = method.fuse(models, inputs)
     selection = result.details["selection"]
@@ -159,7 +159,7 @@ def test_fedma_chooses_sigma_on_the_fusion_set(x):
         (
             i,
             (
-                FedMAMatching(sigma=selection["sigmas"][i], select=False)
+                FedMAMatching(sigma=selection["sigmas"][i], select=False, max_width=0)
                 .fuse(models, inputs)
                 .model,
                 {},
@@ -173,10 +173,38 @@ def test_fedma_chooses_sigma_on_the_fusion_set(x):
     # the chosen model is the one the fixed sigma gives, and its loss is the one reported
     fixed = FedMAMatching(sigma=selection["sigmas"][chosen], select=False).fuse(models, inputs)
     assert torch.allclose(result.model(x), fixed.model(x))
+    assert "width_cap_chosen" not in result.details and len(selection["caps"]) == 1
     loss = F.cross_entropy(result.model(x), inputs.labels).item()
     assert loss == pytest.approx(losses[chosen], rel=1e-6)
     # different sigmas give different fused models here, so the choice matters
     assert len({round(v, 6) for v in losses}) > 1
+
+
+@torch.no_grad()
+def test_fedma_chooses_fedmas_wider_cap_only_when_the_fusion_set_says_it_is_better(x):
+    spec = mlp_spec((1, 4, 4), 3, (8, 6))
+    models = [build_model(spec, seed=s) for s in range(3)]
+    inputs = _labelled(x)
+    result = FedMAMatching(sigma=0.05, grid=1).fuse(models, inputs)
+    selection = result.details["selection"]
+    # two caps tried: 1.5x the widest client, and FedMA's 700 (here: every neuron, 24 and 18)
+    assert [t["caps"] for t in selection["caps"]] == [[12, 9], [700, 700]]
+    compact = FedMAMatching(sigma=0.05, grid=1, max_width=0).fuse(models, inputs)
+    wide = FedMAMatching(sigma=0.05, grid=1, max_width=700).fuse(models, inputs)
+    assert wide.details["widths"] == [24, 18] and compact.details["widths"] == [12, 9]
+    keep = best_on_fusion_set(
+        [(0, (compact.model, {})), (1, (wide.model, {}))], inputs
+    ).key  # the compact model preferred unless the wider one is significantly better
+    assert selection["chosen_caps"] == keep
+    assert result.details["width_cap_chosen"] == ("width_factor" if keep == 0 else "700")
+    expected = compact if keep == 0 else wide
+    assert torch.allclose(result.model(x), expected.model(x))
+    # without labels, or with select=False, the compact cap alone
+    assert FedMAMatching(sigma=0.05, grid=1).fuse(models).details["widths"] == [12, 9]
+    assert FedMAMatching(grid=1, select=False).needs() == {"class_counts"}
+    assert FedMAMatching(grid=1).needs() == {"class_counts", "data", "labels"}
+    with pytest.raises(ValueError, match="max_width"):
+        FedMAMatching(max_width="wide")
 
 
 @torch.no_grad()
@@ -187,7 +215,7 @@ def test_fedma_without_a_labelled_fusion_set_keeps_the_configured_sigma(tiny_mlp
     fixed = FedMAMatching(sigma=0.3, select=False).fuse([tiny_mlp, b], _labelled(x))
     assert "selection" not in fixed.details
     assert torch.allclose(plain.model(x), fixed.model(x))
-    single = FedMAMatching(grid=1)
+    single = FedMAMatching(grid=1, max_width=0)
     assert single.needs() == {"class_counts"}
     with pytest.raises(ValueError, match="grid"):
         FedMAMatching(grid=0)
