@@ -261,6 +261,11 @@ class FusionMethod(ABC):
                     f"classes, model 0 {tuple(first.input_shape)} to {first.num_classes}"
                 )
 
+    def cost_with_many_sites(self, num_models: int) -> str | None:
+        """Why fusing ``num_models`` models takes this method much longer than the others of its
+        kind (``auto`` skips such a candidate past its ``max_costly_sites``), or None."""
+        return None
+
     # ------------------------------------------------------------------ declared needs
     def requirements(self) -> frozenset[str]:
         """The :class:`FusionInputs` fields this configured instance cannot fuse without:

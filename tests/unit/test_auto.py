@@ -335,15 +335,23 @@ def test_a_candidate_the_sites_cannot_score_is_named_and_the_others_compete(copi
     assert report["chosen"] == "copy-trained" and report["scored_by_sites"] == [0, 1]
 
 
-def test_past_max_matched_sites_the_hungarian_candidates_are_skipped_and_named(models, inputs):
+def test_past_max_costly_sites_the_hungarian_and_trust_candidates_are_skipped_and_named(
+    models, inputs
+):
     three = [models[0], models[1], copy.deepcopy(models[0])]
     counts = replace(inputs, sample_counts=[40, 60, 40], grams=None)
-    method = Auto(candidates="hf-linear,fedavg", max_matched_sites=2, device="cpu")
-    report = method.fuse(three, counts).details["auto"]
-    assert report["candidates"]["hf-linear"] == {
-        "skipped": "matches the neurons of 3 models one to one, past max_matched_sites=2 "
+    listed = "hf-linear,kf-trust,kf-linear,fedavg"
+    method = Auto(candidates=listed, max_costly_sites=2, score_on="fusion-set", device="cpu")
+    report = method.fuse(three, counts).details["auto"]["candidates"]
+    assert report["hf-linear"] == {
+        "skipped": "matches the neurons of 3 models one to one, past max_costly_sites=2 "
         "(its cost grows with the sites)"
     }
-    assert report["chosen"] == "fedavg"
-    unlimited = Auto(candidates="hf-linear,fedavg", max_matched_sites=0, device="cpu")
-    assert "accuracy" in unlimited.fuse(three, counts).details["auto"]["candidates"]["hf-linear"]
+    assert report["kf-trust"] == {
+        "skipped": "fits every level to each of the 3 models' readings on every fusion-set "
+        "row, past max_costly_sites=2 (its cost grows with the sites)"
+    }
+    assert "accuracy" in report["kf-linear"] and "accuracy" in report["fedavg"]
+    unlimited = Auto(candidates=listed, max_costly_sites=0, score_on="fusion-set", device="cpu")
+    tried = unlimited.fuse(three, counts).details["auto"]["candidates"]
+    assert "accuracy" in tried["hf-linear"] and "skipped" not in tried["kf-trust"]

@@ -216,6 +216,11 @@ class InterpolationOptions(FusionMethod):
             for index in model.neuron_levels:
                 check_affine_intercept(model, index, self.fit_bias, self.name)
 
+    def cost_with_many_sites(self, num_models: int) -> str | None:
+        if self.grouping == "hungarian":
+            return f"matches the neurons of {num_models} models one to one"
+        return None
+
     def requirements(self) -> frozenset[str]:
         return self.requires | ({"class_counts"} if self.head_weights is True else set())
 

@@ -169,6 +169,13 @@ class TrustedInterpolation(SiteInterpolation):
         self.batch_size = batch_size
         self.device = device
 
+    def cost_with_many_sites(self, num_models: int) -> str | None:
+        own = (
+            f"fits every level to each of the {num_models} models' readings on every fusion-set row"
+        )
+        matching = super().cost_with_many_sites(num_models)
+        return f"{matching} and {own}" if matching else own
+
     def needs(self) -> frozenset[str]:
         return super().needs() | {"class_counts"}
 

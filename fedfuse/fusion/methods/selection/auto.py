@@ -44,7 +44,9 @@ other entries of ``details`` are the chosen method's own.
 **The default list** is the methods that lead in fedfuse's measurements and fuse in seconds to
 a minute: kf-sites, hf-sites, kf-linear, hf-linear, kf-trust, hf-trust, regmean, regmean-fs,
 fedavg, vanilla. The statistics-round methods run only where the inputs reach the sites (each
-trial costs the sites rounds of their own; elsewhere they are skipped, named). Left out, though
+trial costs the sites rounds of their own; elsewhere they are skipped, named), and past 10 sites
+(``max_costly_sites``) the ``hf-*`` and ``*-trust`` candidates are skipped, named: their cost
+grows steeply with the sites. Left out, though
 any registered method may be listed: the Fisher methods (another upload), the matching methods
 (below FedAvg on most of fedfuse's settings) and the trainers (``kd``, ``fs-merge``, ``dense``:
 minutes each). What the sites send is what the listed methods read: :meth:`Auto.needs` is their
@@ -121,10 +123,12 @@ class Auto(FusionMethod):
             can score (:class:`~fedfuse.fusion.statistics.channels.SiteScoring`), else the
             fusion set.
         holdout: the share of the labelled fusion set held out to score the candidates on.
-        max_matched_sites: above this many sites the Hungarian candidates (``hf-*``: one
-            neuron of each model per group, matched iteratively) are skipped, named; their
-            cost grows with the sites (at 100 sites ``hf-sites`` ran past 12 minutes where
-            ``kf-sites`` took 8.5, on a loaded 2-core machine). 0: no limit.
+        max_costly_sites: above this many sites the candidates whose cost grows steeply with
+            the sites (:meth:`~fedfuse.fusion.base.FusionMethod.cost_with_many_sites`: the
+            Hungarian ``hf-*``, one neuron of each model per group, matched iteratively; the
+            ``*-trust`` methods, every model's reading fitted on every fusion row) are skipped,
+            named. At 100 sites on a loaded 2-core machine ``hf-sites`` ran past 12 minutes and
+            ``kf-trust`` took 20, where ``kf-sites`` took 5 and ``kf-linear`` 2. 0: no limit.
         refit: fuse the winner again with the whole fusion set (else it keeps its trial model).
         time_budget: seconds after which the candidates not yet tried are skipped (None: no
             limit).
@@ -138,7 +142,7 @@ class Auto(FusionMethod):
     option_bounds = {
         "holdout": (0.01, 0.9),
         "time_budget": (0.0, 1e7),
-        "max_matched_sites": (0, 1e9),
+        "max_costly_sites": (0, 1e9),
     }
 
     def __init__(
@@ -146,7 +150,7 @@ class Auto(FusionMethod):
         candidates: str = DEFAULT_CANDIDATES,
         score_on: str = "auto",
         holdout: float = 0.3,
-        max_matched_sites: int = 10,
+        max_costly_sites: int = 10,
         refit: bool = True,
         time_budget: float | None = None,
         seed: int = 0,
@@ -165,7 +169,7 @@ class Auto(FusionMethod):
         self.candidates = candidates
         self.score_on = score_on
         self.holdout = holdout
-        self.max_matched_sites = max_matched_sites
+        self.max_costly_sites = max_costly_sites
         self.refit = refit
         self.time_budget = time_budget
         self.seed = seed
@@ -271,11 +275,11 @@ class Auto(FusionMethod):
         runnable = []
         for method in self.candidate_methods():
             reason = _skip_reason(method, run.models, run.inputs, by_sites=by_sites)
-            many = len(run.models) > self.max_matched_sites > 0
-            if not reason and many and getattr(method, "grouping", None) == "hungarian":
+            costly = method.cost_with_many_sites(len(run.models))
+            if not reason and costly and len(run.models) > self.max_costly_sites > 0:
                 reason = (
-                    f"matches the neurons of {len(run.models)} models one to one, past "
-                    f"max_matched_sites={self.max_matched_sites} (its cost grows with the sites)"
+                    f"{costly}, past max_costly_sites={self.max_costly_sites} (its cost grows "
+                    "with the sites)"
                 )
             run.report[method.name] = {"skipped": reason} if reason else {}
             if not reason:
