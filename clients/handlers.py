@@ -19,10 +19,10 @@ from fedfuse.federation.site import (
     answer_statistics_request,
     check_site_data,
     finetune_site,
-    load_site_data,
     train_site,
 )
 from fedfuse.federation.site_cache import run_site_cache
+from fedfuse.federation.site_data import load_site_data
 from fedfuse.federation.site_score import score_on_site
 from fedfuse.runtime import configure_logging, release_free_memory
 from fedfuse.settings.run import RunSettings

@@ -22,6 +22,7 @@ from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, SiteSetup, finetune_site, train_site
+from fedfuse.federation.site_data import site_part
 from fedfuse.federation.upload_inputs import complete_fusion_set, fusion_inputs
 from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.trained.dense import SyntheticFusionSet
@@ -104,9 +105,10 @@ def _fuse_library(
         fusion_set = scenario.fusion_set()
     sites = None
     if reads_sites(needs):  # statistics rounds and scores (auto) answered in-process
-        shares = [scenario.client_data(pid) for pid in range(job.sites)]
-        site_inputs = [share.inputs() for share in shares]
-        validation = [(x, share.labels) for x, share in zip(site_inputs, shares, strict=True)]
+        own = [scenario.client_data(pid) for pid in range(job.sites)]
+        site_inputs = [site_part(d, settings, pid).inputs() for pid, d in enumerate(own)]
+        held = [site_part(d, settings, pid, "validation") for pid, d in enumerate(own)]
+        validation = [(d.inputs(), d.labels) for d in held]
         sites = LocalSites(models, site_inputs, device=settings.device, validation=validation)
     inputs = fusion_inputs(uploads, fusion_set, sites=sites, needs=needs)
     inverted = settings.fusion_inversion()

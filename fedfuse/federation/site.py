@@ -28,11 +28,11 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 import numpy as np
 import torch
 
-from fedfuse.data import ImageDataset, load_npz_dataset
+from fedfuse.data import ImageDataset
 from fedfuse.federation.contract import DataContract
 from fedfuse.federation.policy import SitePolicy
 from fedfuse.federation.ray_cluster import site_ray_node
-from fedfuse.federation.scenario import Scenario
+from fedfuse.federation.site_data import load_site_data
 from fedfuse.federation.upload_request import UploadRequest
 from fedfuse.federation.uploads import ClientUpload
 from fedfuse.fusion.methods.regression.regmean import level_grams
@@ -283,15 +283,6 @@ def check_site_data(
     data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
     contract.check(data, source=site.data_source)
     return data
-
-
-def load_site_data(
-    settings: RunSettings, partition_id: int, num_partitions: int, data_path: str | None = None
-) -> ImageDataset:
-    """The site's own training data: its ``.npz`` file (a deployment) or its partition."""
-    if data_path:
-        return load_npz_dataset(data_path)
-    return Scenario(settings, num_partitions).client_data(partition_id)
 
 
 def _check_fits_model(inputs: torch.Tensor, model: LeveledModel, who: str) -> None:

@@ -49,6 +49,7 @@ SITE_FIELDS = (
     "dirichlet_min_max_ratio",
     "sharded_class_groups",
     "train_samples",
+    "validation_share",
     "seed",
     "model",
     "mlp_widths",

@@ -15,18 +15,22 @@ from fedfuse.models.capture import accuracy_and_loss
 from fedfuse.runtime import capped_threads
 from fedfuse.settings.run import RunSettings
 
-from .site import SiteIdentity, load_site_data
+from .site import SiteIdentity
+from .site_data import load_site_data
 
 log = logging.getLogger(__name__)
 
 
 def score_on_site(settings: RunSettings, model: LeveledModel, site: SiteIdentity) -> SiteScore:
-    """``model``'s accuracy and mean cross-entropy on the site's labelled rows: its training
-    rows (a site of fedfuse's ClientApp holds no held-out split; its ``.npz`` file or its
-    partition, as :func:`~fedfuse.federation.site.load_site_data` loads them). Torch runs on
-    the run's ``threads``; samples of another shape than the model's are a ValueError."""
+    """``model``'s accuracy and mean cross-entropy on the site's validation rows: the share
+    ``validation-share`` it held out of training, or, without one, its training rows (its
+    ``.npz`` file or its partition, as :func:`~fedfuse.federation.site.load_site_data` loads
+    them). Torch runs on the run's ``threads``; samples of another shape than the model's are
+    a ValueError."""
     with capped_threads(settings.threads):
-        data = load_site_data(settings, site.partition_id, site.num_partitions, site.data_path)
+        data = load_site_data(
+            settings, site.partition_id, site.num_partitions, site.data_path, part="validation"
+        )
         if tuple(data.input_shape) != tuple(model.spec.input_shape):
             raise ValueError(
                 f"{site.label}: its data has samples of shape {tuple(data.input_shape)}, the "

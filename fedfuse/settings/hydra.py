@@ -121,6 +121,7 @@ KEYS: tuple[Key, ...] = (
     Key("training.weight_decay", "weight_decay"),
     Key("training.label_smoothing", "label_smoothing"),
     Key("training.train_samples", "train_samples"),
+    Key("training.validation_share", "validation_share"),
     Key("scores.method", "score_method"),
     Key("scores.samples", "score_samples"),
     Key("scores.steps", "score_steps"),

@@ -63,6 +63,7 @@ class RunSettings:
     dirichlet_min_max_ratio: float = 0.2
     sharded_class_groups: str = ""
     train_samples: int = 0
+    validation_share: float = 0.0
     seed: int = 0
     model: str = "mlp"
     mlp_widths: str = "512,512,512"

@@ -27,6 +27,7 @@ RANGES: dict[str, Range] = {
     "dirichlet_alpha_min": Range(0, 1e6, integer=False, open_low=True),
     "dirichlet_min_max_ratio": Range(0, 1, integer=False, open_low=True),
     "train_samples": Range(0, 10**9),
+    "validation_share": Range(0, 0.9, integer=False),
     "seed": Range(0, 10**6),
     "vgg_width_multiplier": Range(0, 64, integer=False, open_low=True),
     "local_epochs": Range(0, 10_000),

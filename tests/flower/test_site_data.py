@@ -1,5 +1,7 @@
 """A deployed site's own data file, and how a site finds its identity and data."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,8 @@ from fedfuse.clients.site_context import site_identity
 from fedfuse.data import DataFormatError, load_dataset, load_npz_dataset, save_npz_dataset
 from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, train_site
+from fedfuse.federation.site_data import load_site_data, site_part
+from fedfuse.federation.site_score import score_on_site
 from tests.helpers import digits_settings, run_upload_request
 
 
@@ -95,3 +99,35 @@ def test_a_deployed_site_trains_on_its_own_file(tmp_path):
     assert upload.num_examples == len(own) and upload.num_partitions == 0
     assert upload.class_counts == torch.bincount(own.labels, minlength=10).tolist()
     assert upload.model.spec == settings.model_spec_for(own)
+
+
+def test_a_validation_share_holds_rows_out_of_training_per_class_and_the_site_scores_on_them():
+    settings = digits_settings(validation_share=0.25)
+    own = Scenario(settings, 2).client_data(1)
+    train, held = site_part(own, settings, 1), site_part(own, settings, 1, "validation")
+    assert len(train) + len(held) == len(own) and len(held) > 0
+    rows = {tuple(r.flatten().tolist()) for r in torch.cat([train.images, held.images])}
+    assert len(rows) == len({tuple(r.flatten().tolist()) for r in own.images})  # disjoint, all
+    counts = torch.bincount(own.labels, minlength=10)
+    held_counts = torch.bincount(held.labels, minlength=10)
+    expected = torch.minimum(torch.floor(0.25 * counts + 0.5).long(), (counts - 1).clamp(min=0))
+    assert torch.equal(held_counts, expected)
+    # deterministic per site; another site draws its own rows
+    assert torch.equal(site_part(own, settings, 1, "validation").images, held.images)
+    assert not torch.equal(site_part(own, settings, 0, "validation").images, held.images)
+    # the site trains on (and counts) the other rows, and scores a model on the held-out ones
+    site = SiteIdentity(1, 2)
+    assert len(load_site_data(settings, 1, 2)) == len(train)
+    upload = train_site(
+        replace(settings, local_epochs=1, score_samples=16, score_steps=2),
+        site,
+        run_upload_request(settings),
+    )
+    assert upload.num_examples == len(train)
+    assert upload.class_counts == torch.bincount(train.labels, minlength=10).tolist()
+    assert score_on_site(settings, upload.model, site).examples == len(held)
+    # without a share both parts are every row
+    plain = digits_settings()
+    assert site_part(own, plain, 1) is own and site_part(own, plain, 1, "validation") is own
+    with pytest.raises(ValueError, match="part must be"):
+        site_part(own, plain, 1, "test")
