@@ -55,8 +55,8 @@ chooses ``sigma`` from a small grid by the accuracy of the fused model on the la
 fusion set (``select``), as PFNM's reference code chooses its
 settings by training accuracy. The global model may be wider than the clients: it decides its
 widths itself, capped per level: by default the fusion set chooses between ``width_factor``
-(1.5) times the widest client and FedMA's cap of 700 neurons (PFNM has none), the compact model
-kept unless the wider one is significantly more accurate.
+(1.5) times the widest client and FedMA's cap of 700 neurons (PFNM has none), the first kept
+unless FedMA's is significantly more accurate.
 The default target of :meth:`fuse` (model 0's spec) is ignored; an explicit target with other
 widths caps each level at those widths.
 
@@ -149,8 +149,8 @@ class FedMAMatching(FusionMethod):
         max_width: cap on each hidden level's global width: a count, 0 (``width_factor``'s
             cap) or ``"auto"`` (default): with a labelled fusion set, each ``sigma`` is tried
             under ``width_factor``'s cap and under FedMA's reference cap of 700 neurons per
-            layer, and :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set` keeps the
-            compact model unless a wider one is significantly more accurate (``details``:
+            layer, and :func:`~fedfuse.fusion.blocks.selection.best_on_fusion_set` keeps
+            ``width_factor``'s unless FedMA's is significantly more accurate (``details``:
             ``width_cap_chosen``, ``selection["caps"]``). On 5 LeNets trained with SGD and
             momentum on Dirichlet(0.1) sites the 1.5x cap merges neurons that only some sites
             learned (57.4 % against an ensemble's 63.9); FedMA's cap keeps them (76.6 %, a 5x
@@ -324,8 +324,8 @@ class FedMAMatching(FusionMethod):
             details["sigma"] = self.sigma
             return fused, details
         centre = (len(sigmas) - 1) / 2
-        # preferred first: the compact cap before FedMA's, the configured sigma, then the values
-        # nearest it
+        # preferred first: width_factor's cap before FedMA's, the configured sigma, then the
+        # values nearest it
         order = [
             (cap, index)
             for cap in range(len(cap_options))
