@@ -194,7 +194,7 @@ def test_fedma_chooses_fedmas_wider_cap_only_when_the_fusion_set_says_it_is_bett
     assert wide.details["widths"] == [24, 18] and compact.details["widths"] == [12, 9]
     keep = best_on_fusion_set(
         [(0, (compact.model, {})), (1, (wide.model, {}))], inputs
-    ).key  # the compact model preferred unless the wider one is significantly better
+    ).key  # width_factor's cap preferred unless FedMA's is significantly better
     assert selection["chosen_caps"] == keep
     assert result.details["width_cap_chosen"] == ("width_factor" if keep == 0 else "700")
     expected = compact if keep == 0 else wide
