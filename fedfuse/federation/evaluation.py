@@ -331,4 +331,15 @@ def format_run_summary(report: Mapping[str, Any]) -> str:
     sent = [c for c in counts if c]  # a site's policy may keep its counts
     num_classes = len(sent[0]) if sent else 0
     warnings = summary_warnings(evaluation, num_classes) if num_classes else []
-    return "\n".join([text, *warnings])
+    return "\n".join([text, *selection_lines(report), *warnings])
+
+
+def selection_lines(report: Mapping[str, Any]) -> list[str]:
+    """One line per method of the run that chose among candidates (``auto``): what it chose
+    and why, in its own words."""
+    lines = []
+    for name, fusion in report.get("fusions", {}).items():
+        chose = (fusion.get("details") or {}).get("auto")
+        if isinstance(chose, Mapping) and chose.get("chosen"):
+            lines.append(f"{name} chose {chose['chosen']}: {chose.get('why', '')}".rstrip(": "))
+    return lines

@@ -82,7 +82,7 @@ class RunSettings:
     score_steps: int = 16
     #: the run's fusion methods, a comma list; its run-config key is ``strategy``, the name
     #: Flower users know (read it through :meth:`method_names` / :meth:`fusion_methods`)
-    methods: str = field(default="kf-sites,regmean,fedavg", metadata={RUN_CONFIG_KEY: "strategy"})
+    methods: str = field(default="auto,fedavg", metadata={RUN_CONFIG_KEY: "strategy"})
     fusion_options: str = ""
     fusion_samples: int = DEFAULT_FUSION_SAMPLES
     fusion_source: str = "0"

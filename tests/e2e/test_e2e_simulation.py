@@ -268,14 +268,18 @@ def test_ten_sites_with_the_default_strategy(tmp_path):
     report = json.loads((out / "latest" / "results.json").read_text())
     assert report["status"] == "ok" and report["rejected"] == []
     assert [c["partition_id"] for c in report["clients"]] == list(range(10))
-    assert list(report["fusions"]) == ["kf-sites", "regmean", "fedavg"]  # the default list
+    assert list(report["fusions"]) == ["auto", "fedavg"]  # the default list
     assert len(list((out / "latest" / "clients").glob("client_*.safetensors"))) == 10
-    # K-means Fusion on the sites' statistics, and RegMean, of 10 sharded sites well above a
-    # single site (each holds 1 class)
+    # auto: past 5 sites without the hf-* and *-trust candidates, every other one scored by
+    # all 10 sites; its choice of 10 sharded sites well above a single site (each holds 1 class)
+    chose = report["fusions"]["auto"]["details"]["auto"]
+    assert chose["scored_by_sites"] == list(range(10))
+    skipped = {n for n, c in chose["candidates"].items() if "skipped" in c}
+    assert skipped == {"hf-sites", "hf-linear", "kf-trust", "hf-trust"}
     accuracy = report["accuracy"]
     best_site = max(b["accuracy"] for b in accuracy["base"])
-    assert accuracy["fused"]["kf-sites"]["accuracy"] > best_site
-    assert accuracy["fused"]["regmean"]["accuracy"] > best_site
+    assert accuracy["fused"]["auto"]["accuracy"] > best_site
+    assert f"auto chose {chose['chosen']}: " in completed.stdout
 
 
 README_TABLE_START = "<!-- readme-table: the output of the main command, checked by a test -->"
@@ -293,7 +297,8 @@ def test_the_readme_table_is_what_the_main_command_prints(tmp_path):
     printed = accuracy_tables(completed.stdout)[0]  # the ServerApp's (simulate repeats it)
     (expected,) = accuracy_tables(shown)
     assert_same_table(printed, expected)
-    assert shown.strip().splitlines()[-1] in completed.stdout  # the privacy pointer
+    pointer = next(line for line in shown.splitlines() if "docs/privacy.md" in line)
+    assert pointer in completed.stdout
 
 
 def test_secure_kf_sites_and_regmean_complete_when_a_site_drops_out_mid_protocol(

@@ -185,6 +185,12 @@ def test_methods_that_lose_unshown_classes_are_left_out_when_a_class_is_unshown(
         "the fusion set shows no row of class(es) [0], which sites hold"
     )
     assert report["chosen"] == "vanilla" and report["unshown_classes"] == [0]
+    # scored by the sites too: they would see the loss, at the cost of a fusion
+    by_sites = method.fuse(models, replace(unshown, sites=_sites(models))).details["auto"]
+    assert by_sites["candidates"]["kf-trust"] == {
+        "skipped": "the fusion set shows no row of class(es) [0], which sites hold: it loses them"
+    }
+    assert by_sites["chosen"] == "vanilla" and by_sites["scored_by_sites"] == [0, 1]
 
 
 def test_the_time_budget_skips_and_names_the_later_candidates(copies, models, inputs, monkeypatch):

@@ -78,3 +78,18 @@ def test_the_run_summary_reads_a_results_document():
     text = format_run_summary(report)
     assert "1 upload, 6.8 KiB" in text and "0.20s" in text
     assert text.splitlines()[-1].startswith("warning: fused model fedavg is at chance")
+
+
+def test_the_summary_says_what_auto_chose_and_why():
+    why = "hf-sites had the highest accuracy, 89.00% on the 60000 rows of sites [0, 1]"
+    report = {
+        "clients": CLIENTS,
+        "accuracy": _evaluation({"auto": 0.87, "fedavg": 0.55}),
+        "fusions": {
+            "auto": {"status": "ok", "details": {"auto": {"chosen": "hf-sites", "why": why}}},
+            "fedavg": {"status": "ok", "details": {}},
+        },
+    }
+    lines = format_run_summary(report).splitlines()
+    assert f"auto chose hf-sites: {why}" in lines
+    assert sum(line.startswith("auto chose") for line in lines) == 1

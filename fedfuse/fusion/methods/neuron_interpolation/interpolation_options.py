@@ -29,7 +29,10 @@ from fedfuse.fusion.methods.neuron_interpolation.grouping import (
     residual_labels,
 )
 from fedfuse.fusion.methods.neuron_interpolation.options import APPROXIMATIONS, STARTS
-from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
+from fedfuse.fusion.methods.neuron_interpolation.structure import (
+    check_one_to_one,
+    one_to_one_cost,
+)
 from fedfuse.models import LeveledModel, ModelSpec
 from fedfuse.models.affine import affine_view, check_fit_bias
 from fedfuse.models.importance import SCORE_METHODS
@@ -217,9 +220,7 @@ class InterpolationOptions(FusionMethod):
                 check_affine_intercept(model, index, self.fit_bias, self.name)
 
     def cost_with_many_sites(self, num_models: int) -> str | None:
-        if self.grouping == "hungarian":
-            return f"matches the neurons of {num_models} models one to one"
-        return None
+        return one_to_one_cost(self.grouping, num_models)
 
     def requirements(self) -> frozenset[str]:
         return self.requires | ({"class_counts"} if self.head_weights is True else set())

@@ -16,7 +16,10 @@ from fedfuse.fusion.blocks.kmeans import resolve_variance
 from fedfuse.fusion.blocks.pieces import check_affine_intercept, linear_pieces
 from fedfuse.fusion.blocks.whitening import WHITEN_RCOND
 from fedfuse.fusion.methods.neuron_interpolation.blocks import unfit_op
-from fedfuse.fusion.methods.neuron_interpolation.structure import check_one_to_one
+from fedfuse.fusion.methods.neuron_interpolation.structure import (
+    check_one_to_one,
+    one_to_one_cost,
+)
 from fedfuse.fusion.statistics.privacy import check_dp_options
 from fedfuse.fusion.statistics.rounds import STATISTICS_DTYPES
 from fedfuse.fusion.statistics.summed_terms import check_statistics_mode
@@ -129,6 +132,9 @@ class SiteOptions(FusionMethod):
         self.dp_epsilon = check_dp_options(dp_epsilon, dp_delta, dp_clip, self.name)
         self.dp_delta, self.dp_clip = dp_delta, dp_clip
         self.dp_noise_seed = dp_noise_seed
+
+    def cost_with_many_sites(self, num_models: int) -> str | None:
+        return one_to_one_cost(self.grouping, num_models)
 
     def requirements(self) -> frozenset[str]:
         on_data = self.statistics == "sums" or (self.dp_epsilon is not None and not self.dp_clip)

@@ -50,6 +50,14 @@ def check_structure(
     return mappings
 
 
+def one_to_one_cost(grouping: str, num_models: int) -> str | None:
+    """Why Hungarian grouping of ``num_models`` models costs more than K-means' as they grow
+    (:meth:`~fedfuse.fusion.base.FusionMethod.cost_with_many_sites`), or None for K-means."""
+    if grouping == "hungarian":
+        return f"matches the neurons of {num_models} models one to one"
+    return None
+
+
 def check_one_to_one(name: str, grouping: str, widths: Iterable[tuple[int, ...]]) -> None:
     """Hungarian grouping pairs neurons one-to-one, so every model and the fused one need the
     same widths; K-means grouping fuses into any width."""
