@@ -70,6 +70,8 @@ SITE_FIELDS = (
 def site_set_fields(settings: RunSettings, num_sites: int) -> dict[str, Any]:
     """Everything that determines the site set (the preimage of its key)."""
     fields = {name: getattr(settings, name) for name in SITE_FIELDS}
+    if not settings.validation_share:  # no held-out rows: the key of the sites before the field
+        fields.pop("validation_share")
     # fields of another partitioner do not change the split
     if settings.partitioner != "dirichlet":
         fields.pop("dirichlet_alpha_min")

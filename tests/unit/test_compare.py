@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from fedfuse.experiments import compare, compare_library, row_ids
-from fedfuse.federation.site_cache import site_set_key
+from fedfuse.federation.site_cache import site_set_fields, site_set_key
 from fedfuse.fusion import FUSION_METHODS, make_fusion_method
 from fedfuse.settings.hydra import (
     available_options,
@@ -138,8 +138,11 @@ def test_site_set_key_covers_training_and_nothing_else():
         {"lr": 0.01},
         {"score_samples": 128},
         {"sharded_class_groups": "0,1,2,3,4;5,6,7,8,9"},
+        {"validation_share": 0.2},
     ):
         assert site_set_key(dataclasses.replace(base, **change), 2) != key, change
+    # without held-out rows the key is the one sites had before the field existed
+    assert "validation_share" not in site_set_fields(base, 2)
     assert site_set_key(base, 3) != key
     for same in (
         {"methods": "regmean"},
