@@ -16,7 +16,7 @@ import fedfuse.fusion.methods.selection.auto as auto_module
 from fedfuse.federation.method_needs import upload_request_for
 from fedfuse.fusion import FUSION_METHODS, FusionInputs, FusionMethod, make_fusion_method
 from fedfuse.fusion.methods.regression.regmean import level_grams
-from fedfuse.fusion.methods.selection.auto import Auto, stratified_split
+from fedfuse.fusion.methods.selection.auto import Auto, _rows_of, stratified_split
 from fedfuse.fusion.statistics.channels import LocalSites
 from fedfuse.models import build_model, mlp_spec
 from fedfuse.models.capture import accuracy_and_loss
@@ -275,6 +275,7 @@ def test_the_sites_scores_decide_where_they_can_score(copies, models, inputs):
     method = Auto(candidates="copy-untrained,copy-trained", device="cpu")
     report = method.fuse(models, misleading).details["auto"]
     assert report["chosen"] == "copy-trained" and report["scored_by_sites"] == [0, 1]
+    assert "on the 100 rows of all 2 sites" in report["why"]
     assert report["criterion"].startswith("the sites' accuracy")
     trained = report["candidates"]["copy-trained"]
     sites = misleading.sites.validation
@@ -361,3 +362,9 @@ def test_past_max_costly_sites_the_hungarian_and_trust_candidates_are_skipped_an
     unlimited = Auto(candidates=listed, max_costly_sites=0, score_on="fusion-set", device="cpu")
     tried = unlimited.fuse(three, counts).details["auto"]["candidates"]
     assert "accuracy" in tried["hf-linear"] and "skipped" not in tried["kf-trust"]
+
+
+def test_the_reason_names_the_sites_that_scored_briefly():
+    assert _rows_of(600, [0, 1], 2) == "the 600 rows of all 2 sites"
+    assert _rows_of(600, [0, 2], 3) == "the 600 rows of sites [0, 2]"
+    assert _rows_of(600, list(range(12)), 20) == "the 600 rows of sites 12 of the 20"

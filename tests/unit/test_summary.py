@@ -81,7 +81,7 @@ def test_the_run_summary_reads_a_results_document():
 
 
 def test_the_summary_says_what_auto_chose_and_why():
-    why = "hf-sites had the highest accuracy, 89.00% on the 60000 rows of sites [0, 1]"
+    why = "hf-sites had the highest accuracy, 89.00% on the 60000 rows of all 2 sites"
     report = {
         "clients": CLIENTS,
         "accuracy": _evaluation({"auto": 0.87, "fedavg": 0.55}),

@@ -371,7 +371,7 @@ class Auto(FusionMethod):
         _, _, method, result, rows = best
         summary = {
             "chosen": method.name,
-            "why": why_chosen(method.name, report, f"the {rows} rows of sites {answered}"),
+            "why": why_chosen(method.name, report, _rows_of(rows, answered, len(run.models))),
             "criterion": "the sites' accuracy pooled by rows, then loss",
             "candidates": report,
             "scored_by_sites": answered,
@@ -450,6 +450,14 @@ class Auto(FusionMethod):
                        "candidates": report, "refit": False}  # fmt: skip
             return result.model, {**result.details, "auto": summary}
         raise self._none_fused(report)
+
+
+def _rows_of(rows: int, answered: list[int], sites: int) -> str:
+    """``"the 600 rows of sites [0, 1]"``, or of all ``sites`` (a list of 100 says nothing)."""
+    if len(answered) == sites:
+        return f"the {rows} rows of all {sites} sites"
+    listed = str(answered) if len(answered) <= 10 else f"{len(answered)} of the {sites}"
+    return f"the {rows} rows of sites {listed}"
 
 
 def _skip_reason(
