@@ -24,13 +24,21 @@ log = logging.getLogger(__name__)
 def score_on_site(settings: RunSettings, model: LeveledModel, site: SiteIdentity) -> SiteScore:
     """``model``'s accuracy and mean cross-entropy on the site's validation rows: the share
     ``validation-share`` it held out of training, or, without one, its training rows (its
-    ``.npz`` file or its partition, as :func:`~fedfuse.federation.site.load_site_data` loads
-    them). Torch runs on the run's ``threads``; samples of another shape than the model's are
-    a ValueError."""
+    ``.npz`` file or its partition, as :func:`~fedfuse.federation.site_data.load_site_data` loads
+    them). Torch runs on the run's ``threads``; samples of another shape than the model's, or
+    no row to score on, are a ValueError."""
     with capped_threads(settings.threads):
         data = load_site_data(
             settings, site.partition_id, site.num_partitions, site.data_path, part="validation"
         )
+        if len(data) == 0:
+            why = (
+                f"validation-share={settings.validation_share} holds none out (each class "
+                "keeps its only row)"
+                if settings.validation_share
+                else "its data has no rows"
+            )
+            raise ValueError(f"{site.label}: no row to score the model on: {why}")
         if tuple(data.input_shape) != tuple(model.spec.input_shape):
             raise ValueError(
                 f"{site.label}: its data has samples of shape {tuple(data.input_shape)}, the "

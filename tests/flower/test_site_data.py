@@ -13,6 +13,7 @@ from fedfuse.federation.scenario import Scenario
 from fedfuse.federation.site import SiteIdentity, train_site
 from fedfuse.federation.site_data import load_site_data, site_part
 from fedfuse.federation.site_score import score_on_site
+from fedfuse.models import build_model
 from tests.helpers import digits_settings, run_upload_request
 
 
@@ -131,3 +132,14 @@ def test_a_validation_share_holds_rows_out_of_training_per_class_and_the_site_sc
     assert site_part(own, plain, 1) is own and site_part(own, plain, 1, "validation") is own
     with pytest.raises(ValueError, match="part must be"):
         site_part(own, plain, 1, "test")
+
+
+def test_a_site_with_no_row_held_out_refuses_to_score_naming_why(tmp_path):
+    one_each = load_dataset("digits", "train")
+    rows = [int((one_each.labels == c).nonzero()[0]) for c in range(3)]
+    path = save_npz_dataset(tmp_path / "site.npz", one_each.subset(rows))
+    settings = digits_settings(validation_share=0.5)
+    site = SiteIdentity(0, 0, data_path=str(path))
+    model = build_model(settings.model_spec_for(one_each), seed=0)
+    with pytest.raises(ValueError, match=r"no row to score the model on: validation-share=0.5"):
+        score_on_site(settings, model, site)
