@@ -53,6 +53,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "docs" / "results"
 PAGE = ROOT / "docs" / "settings.md"
 REFERENCE_KIND = "reference"
+#: the method that chooses among the others: shown beside the leader, never the leader itself
+AUTO = "auto"
+#: how far below the leader ``auto`` may be and still count as holding (issue 52's goal)
+AUTO_TOLERANCE_PP = 1.0
 #: the fusion inputs the server holds itself; every other one a site sends
 SERVER_INPUTS = ("data", "labels")
 #: the JSON keys of :mod:`~fedfuse.experiments.plain_models` that are references, not methods
@@ -189,17 +193,33 @@ def load_tables(results_dir: Path = RESULTS_DIR) -> list[Table]:
 
 
 # ------------------------------------------------------------------------------ choosing
+def _is_auto(result: Result) -> bool:
+    return result.label.split(" (")[0] == AUTO
+
+
 def leading(results: Sequence[Result]) -> Result | None:
     """The best single fused model: highest mean accuracy among the non-reference results that
-    succeeded on at least one seed (ties: more seeds, then the label); None when there is none."""
+    succeeded on at least one seed (ties: more seeds, then the label), ``auto`` left out (it
+    picks one of the others); None when there is none."""
     candidates = [
         r
         for r in results
-        if r.kind != REFERENCE_KIND and r.accuracy.n and r.accuracy.mean is not None
+        if r.kind != REFERENCE_KIND
+        and not _is_auto(r)
+        and r.accuracy.n
+        and r.accuracy.mean is not None
     ]
     if not candidates:
         return None
     return max(candidates, key=lambda r: (r.accuracy.mean, r.accuracy.n, r.label))
+
+
+def auto_result(results: Sequence[Result]) -> Result | None:
+    """``auto`` with its default candidates in this setting (None: not run or failed)."""
+    return next(
+        (r for r in results if r.label == AUTO and r.accuracy.n and r.accuracy.mean is not None),
+        None,
+    )
 
 
 def reference(results: Sequence[Result], label: str) -> Result | None:
@@ -286,12 +306,14 @@ def _setting_line(table: Table, cell: tuple[str, int]) -> tuple[list[Any], Resul
     results = table.cells.get(cell, [])
     leader = leading(results)
     if leader is None:
-        return [partition, sites, "no stored rows yet", *[""] * 6], None
+        return [partition, sites, "no stored rows yet", *[""] * 8], None
     ensemble = reference(results, ENSEMBLE_LABEL)
     site = reference(results, table.site_row)
     gap = ""
     if ensemble is not None and ensemble.accuracy.mean is not None:
         gap = f"{leader.accuracy.mean - ensemble.accuracy.mean:+.2f}"
+    auto = auto_result(results)
+    auto_gap = "" if auto is None else f"{auto.accuracy.mean - leader.accuracy.mean:+.2f}"
     name = f"`{leader.label}`" + ("" if leader.kind == "fusion" else f" ({leader.kind})")
     if leader.size is not None and abs(leader.size - 1) > 1e-9:
         name += f", {leader.size:.2f}× a site's parameters"
@@ -308,6 +330,8 @@ def _setting_line(table: Table, cell: tuple[str, int]) -> tuple[list[Any], Resul
         format_stat(leader.accuracy),
         format_stat(ensemble.accuracy) if ensemble else "",
         gap,
+        format_stat(auto.accuracy) if auto else "",
+        auto_gap,
         format_stat(site.accuracy) if site else "",
         sends(method_needs(leader.label, config), leader),
         f"`{command}`",
@@ -333,6 +357,11 @@ def table_markdown(table: Table) -> list[str]:
             leaders.append((leader, table.cells[cell]))
     below = sum(_below(r, reference(rs, ENSEMBLE_LABEL)) for r, rs in leaders)
     below_site = sum(_below(r, reference(rs, table.site_row)) for r, rs in leaders)
+    autos = [
+        (auto, r, reference(rs, ENSEMBLE_LABEL))
+        for r, rs in leaders
+        if (auto := auto_result(rs)) is not None
+    ]
     header = [
         "split",
         "sites",
@@ -340,18 +369,30 @@ def table_markdown(table: Table) -> list[str]:
         "accuracy %",
         "ensemble %",
         "vs ensemble (pp)",
+        "`auto` %",
+        "`auto` vs leader (pp)",
         f"{table.site_label} %",
         "what the sites send",
         "command",
     ]
     sources = ", ".join(f"`{s}`" for s in table.sources)
     lines = [f"## {table.title}", "", f"Rows: {sources}.", ""]
-    lines += markdown_table(header, body, "lrllrrrll")
+    lines += markdown_table(header, body, "lrllrrlrrll")
     lines += [
         "",
         f"The leader is below the ensemble in {below} of {len(leaders)} settings "
         f"and below the {table.site_label} in {below_site}.",
     ]
+    if autos:
+        holding = sum(a.accuracy.mean >= r.accuracy.mean - AUTO_TOLERANCE_PP for a, r, _ in autos)
+        # where some listed method is at or above the ensemble, auto should be too
+        where = [(a, e) for a, r, e in autos if e is not None and not _below(r, e)]
+        above = sum(not _below(a, e) for a, e in where)
+        lines.append(
+            f"`auto` was run in {len(autos)} of these settings: within "
+            f"{AUTO_TOLERANCE_PP:g} point of the leader in {holding}, and at or above the "
+            f"ensemble in {above} of the {len(where)} where the leader is."
+        )
     partial = _partial_methods(table)
     if partial:
         lines.append("Not run in every setting: " + "; ".join(partial) + ".")
@@ -430,7 +471,10 @@ def settings_markdown(results_dir: Path = RESULTS_DIR) -> str:
         "keeps the one the sites score best on their own rows (Flower's `evaluate` message), "
         "or, where the sites cannot score, the best on held-out fusion rows; "
         '`details["auto"]` in results.json says why. What it costs and how close it comes '
-        "to the best candidate: results.md, section `auto`.",
+        "to the best candidate: results.md, section `auto`. Where `auto` was run in a "
+        "setting, its columns give its accuracy over the same seeds' site sets (the sites "
+        "retrained with the same recipe where its rows come from another sweep) and its "
+        "distance to the leader.",
         "",
     ]
     for table in tables:

@@ -77,16 +77,44 @@ def test_the_leader_is_the_best_single_model_that_succeeded(tmp_path: Path) -> N
     assert cells[2] == "`kf-linear`"
     assert cells[3] == "70.00 ± 0.50 (n=2)"
     assert cells[5] == "-20.00"  # below the ensemble, said so
-    assert cells[6] == "40.00 ± 0.50 (n=2)"
-    assert cells[7].startswith("weights, the sites' class counts, the sites' importance scores")
-    assert "(2.0 MiB per site)" in cells[7] and "server side: a fusion set" in cells[7]
-    assert cells[8] == (
+    assert cells[6:8] == ["", ""]  # auto not run here
+    assert cells[8] == "40.00 ± 0.50 (n=2)"
+    assert cells[9].startswith("weights, the sites' class counts, the sites' importance scores")
+    assert "(2.0 MiB per site)" in cells[9] and "server side: a fusion set" in cells[9]
+    assert cells[10] == (
         "`fedfuse compare -m experiment=fmnist-mlp partition=sharded sites=2 seed=0,1 "
         "method=kf-linear`"
     )
     assert "| dirichlet | 8 | no stored rows yet |" in page  # declared by the preset, not run
     assert "The leader is below the ensemble in 1 of 1 settings" in page
     assert "`lenet5`: no stored rows yet" in page
+
+
+def test_auto_is_shown_beside_the_leader_and_never_leads(tmp_path: Path) -> None:
+    """``auto`` picks one of the listed methods, so it is its own column, measured against the
+    leader and the ensemble (issue 52's goal: within a point, above the ensemble)."""
+    _write_csv(
+        tmp_path / "sweep",
+        [
+            _row("ensemble", "reference", 60.0),
+            _row("kf-sites", "fusion", 86.0),
+            _row("auto", "fusion", 86.5),
+            _row("ensemble", "reference", 80.0, sites=4),
+            _row("kf-linear", "fusion", 82.0, sites=4),
+            _row("auto", "fusion", 79.0, sites=4),
+        ],
+    )
+    page = settings_markdown(tmp_path)
+    (two,) = [x for x in page.splitlines() if x.startswith("| sharded | 2 |")]
+    (four,) = [x for x in page.splitlines() if x.startswith("| sharded | 4 |")]
+    cells = [c.strip() for c in two.strip("|").split(" | ")]
+    assert cells[2] == "`kf-sites`"  # auto scored higher, yet the leader is a method
+    assert cells[6:8] == ["86.50 ± 0.50 (n=2)", "+0.50"]
+    assert [c.strip() for c in four.strip("|").split(" | ")][6:8] == ["79.00 ± 0.50 (n=2)", "-3.00"]
+    assert (
+        "`auto` was run in 2 of these settings: within 1 point of the leader in 1, and at or "
+        "above the ensemble in 1 of the 2 where the leader is."
+    ) in page
 
 
 def test_a_plain_models_run_leads_with_the_users_model_alone(tmp_path: Path) -> None:
