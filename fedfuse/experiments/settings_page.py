@@ -467,7 +467,8 @@ def settings_markdown(results_dir: Path = RESULTS_DIR) -> str:
         "",
         "Your setting is not here, or your models were trained another way? Let the run choose: "
         "`method=auto` fuses with each of its candidates (`kf-sites`, `hf-sites`, `kf-linear`, "
-        "`hf-linear`, `kf-trust`, `hf-trust`, `regmean`, `regmean-fs`, `fedavg`, `vanilla`) and "
+        "`hf-linear`, `kf-trust`, `hf-trust`, `regmean`, `regmean-fs`, `fedavg`, `vanilla`, "
+        "`linear-probe`) and "
         "keeps the one the sites score best on their own rows (Flower's `evaluate` message), "
         "or, where the sites cannot score, the best on held-out fusion rows; "
         '`details["auto"]` in results.json says why. What it costs and how close it comes '
