@@ -256,14 +256,18 @@ def table_markdown(table: Table) -> list[str]:
         # where some listed method is at or above the ensemble, auto should be too
         where = [(a, e) for a, r, e in autos if e is not None and not _below(r, e)]
         above = sum(not _below(a, e) for a, e in where)
+        ensemble_part = (
+            f"at or above the ensemble in {above} of the {len(where)} where the leader is"
+            if where
+            else "the leader is below the ensemble in each of them"
+        )
         lines.append(
             f"`auto` was run in {len(autos)} of these settings: within "
-            f"{AUTO_TOLERANCE_PP:g} point of the leader in {holding}, and at or above the "
-            f"ensemble in {above} of the {len(where)} where the leader is."
+            f"{AUTO_TOLERANCE_PP:g} point of the leader in {holding}; {ensemble_part}."
         )
     partial = _partial_methods(table)
     if partial:
-        lines.append("Not run in every setting: " + "; ".join(partial) + ".")
+        lines.append("Run in some settings only (where each ran): " + "; ".join(partial) + ".")
     return lines
 
 
@@ -281,11 +285,14 @@ def _declared_cells(experiment: str) -> set[tuple[str, int]]:
 
 
 def _partial_methods(table: Table) -> list[str]:
-    """``method (the settings it ran in)`` for every method missing from some stored setting."""
+    """``method (the settings it ran in)`` for every method missing from some stored setting.
+
+    ``auto`` is left out: its own columns show where it ran.
+    """
     ran: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for cell, results in sorted(table.cells.items()):
         for r in results:
-            if r.kind != REFERENCE_KIND and r.accuracy.n:
+            if r.kind != REFERENCE_KIND and r.accuracy.n and not _is_auto(r):
                 ran[r.label].append(cell)
     stored = len(table.cells)
     return [

@@ -102,6 +102,8 @@ def test_auto_is_shown_beside_the_leader_and_never_leads(tmp_path: Path) -> None
             _row("ensemble", "reference", 80.0, sites=4),
             _row("kf-linear", "fusion", 82.0, sites=4),
             _row("auto", "fusion", 79.0, sites=4),
+            _row("ensemble", "reference", 50.0, sites=8),
+            _row("kf-linear", "fusion", 70.0, sites=8),  # auto not run here
         ],
     )
     page = settings_markdown(tmp_path)
@@ -112,9 +114,10 @@ def test_auto_is_shown_beside_the_leader_and_never_leads(tmp_path: Path) -> None
     assert cells[6:8] == ["86.50 ± 0.50 (n=2)", "+0.50"]
     assert [c.strip() for c in four.strip("|").split(" | ")][6:8] == ["79.00 ± 0.50 (n=2)", "-3.00"]
     assert (
-        "`auto` was run in 2 of these settings: within 1 point of the leader in 1, and at or "
+        "`auto` was run in 2 of these settings: within 1 point of the leader in 1; at or "
         "above the ensemble in 1 of the 2 where the leader is."
     ) in page
+    assert not [x for x in page.splitlines() if x.startswith("Run in some") and "`auto`" in x]
 
 
 def test_a_plain_models_run_leads_with_the_users_model_alone(tmp_path: Path) -> None:
