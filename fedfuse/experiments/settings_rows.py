@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfuse.experiments.report.rows import BASE_LABEL, ZERO_SHOT, Stat
+from fedfuse.fusion import FUSION_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ def read_plain_json(path: Path) -> Table:
     results = []
     for name in names:
         values = [100 * r[name]["accuracy"] for r in seeds_rows if name in r]
-        kind = REFERENCE_KIND if name in _JSON_REFERENCES else "fusion"
+        if name in _JSON_REFERENCES:
+            kind = REFERENCE_KIND
+        else:  # e.g. "trains on the fusion set" for kd and linear-probe, as compare's rows say
+            kind = FUSION_METHODS[name].kind if name in FUSION_METHODS else "fusion"
         results.append(Result(name, kind, Stat.of(values), tuple(args["seeds"])))
     return Table(
         model=f"torchvision {args['model']}",

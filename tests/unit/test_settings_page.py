@@ -147,6 +147,19 @@ def test_a_plain_models_run_leads_with_the_users_model_alone(tmp_path: Path) -> 
     ) in line
 
 
+def test_a_plain_models_method_that_trains_on_the_fusion_set_says_so(tmp_path: Path) -> None:
+    """As in compare's rows, ``linear-probe`` leading a plain-model cell is marked as training."""
+    (tmp_path / "user-models").mkdir()
+    rows = [{"ensemble": {"accuracy": 0.9}, "linear-probe": {"accuracy": 0.8, "seconds": 1.0}}]
+    args = {"sites": 2, "partitioner": "sharded", "seeds": [0], "epochs": 1}
+    args |= {"dataset": "fashion-mnist", "model": "vit", "own": False, "methods": None}
+    (tmp_path / "user-models" / "vit.json").write_text(json.dumps({"args": args, "rows": rows}))
+
+    page = settings_markdown(tmp_path)
+    (line,) = [x for x in page.splitlines() if x.startswith("| sharded | 2 |")]
+    assert "`linear-probe` (trains on the fusion set)" in line
+
+
 def test_check_fails_on_a_stale_page(tmp_path: Path) -> None:
     stale = tmp_path / "settings.md"
     stale.write_text("# old\n")
