@@ -227,3 +227,23 @@ def test_it_fuses_as_the_same_weights_in_fedfuses_own_vit(sites, fusion_set):
         expected, got = own.eval()(data), fused.eval()(data)
     # float32 rounding apart (about 1e-3 of the logits): the packed and the split projections
     assert torch.allclose(got, expected, atol=1e-2 * float(expected.abs().max()))
+
+
+def test_regmean_says_it_averages_the_packed_attention_projections(sites, caplog):
+    """nn.MultiheadAttention applies its projections as functions: RegMean cannot record their
+    inputs, so it averages them, and says so (fedfuse's own ViT, with q/k/v/out Linears, is
+    merged whole by Grams and says nothing)."""
+    from fedfuse.federation import site_fusion_inputs
+
+    data = [_task(40, seed) for seed in (3, 4)]
+    with caplog.at_level("WARNING", logger="fedfuse.fusion.methods.regression.regmean"):
+        inputs = site_fusion_inputs(sites, data, "regmean")
+        result = make_fusion_method("regmean").fuse(sites, inputs)
+    averaged = result.details["averaged_attention"]
+    assert averaged == [f"encoder.layers.encoder_layer_{i}.self_attention" for i in (0, 1)]
+    assert "averaged, not merged by their Grams" in caplog.text
+    assert "encoder_layer_0" in caplog.text and "encoder_layer_1" in caplog.text
+
+    owns = [_as_fedfuses_vit(site) for site in sites]
+    own_inputs = site_fusion_inputs(owns, data, "regmean")
+    assert "averaged_attention" not in make_fusion_method("regmean").fuse(owns, own_inputs).details

@@ -63,6 +63,7 @@ import logging
 from typing import Any
 
 import torch
+from torch import nn
 
 from fedfuse.fusion.base import FusionInputs, FusionMethod
 from fedfuse.fusion.blocks.pieces import check_affine_intercept
@@ -99,6 +100,19 @@ from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias
 
 log = logging.getLogger(__name__)
+
+
+def packed_attention(model: LeveledModel) -> list[str]:
+    """The names of ``model``'s ``nn.MultiheadAttention`` modules (a user's model's qualified
+    names): RegMean averages their packed projections, as no hook sees their inputs
+    (:func:`~fedfuse.models.affine.mergeable_modules`)."""
+    names = [
+        name or model.level_name(index)
+        for index, level in enumerate(model.levels)
+        for name, module in level.named_modules()
+        if isinstance(module, nn.MultiheadAttention)
+    ]
+    return list(dict.fromkeys(names))
 
 
 @register_fusion_method
@@ -299,6 +313,16 @@ class RegMean(FusionMethod):
                 del grams
         # what no Gram merges (normalisation, embeddings) is averaged, by sample counts if given
         fused.load_state_dict(average_state(models, self._counts(inputs, sites)))
+        attention = packed_attention(fused)
+        if attention:
+            details["averaged_attention"] = attention
+            log.warning(
+                "%s: the projections of %s are averaged, not merged by their Grams: "
+                "nn.MultiheadAttention applies them as functions, so no site records their "
+                "inputs (split them into nn.Linear layers, as fedfuse's ViT does, to merge them)",
+                self.name,
+                ", ".join(attention),
+            )
         means = {key: torch.zeros_like(rhs[key]) for key in systems}
         for model in models:
             for key, weights in client_weights(model, systems).items():
