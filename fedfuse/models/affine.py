@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedfuse.models.packed_attention import attention_projections
+
 
 @dataclass
 class AffineLevel:
@@ -183,10 +185,11 @@ def mergeable(module: nn.Module) -> bool:
     )
 
 
-def mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The :func:`mergeable` modules inside ``level`` (not the level itself), by name; not the
-    ``out_proj`` of an ``nn.MultiheadAttention``, which it applies as a function (no hook sees
-    its input, so it has no Gram and is averaged with the packed projections)."""
+def mergeable_modules(level: nn.Module) -> list[tuple[str, Any]]:
+    """The :func:`mergeable` modules inside ``level`` (not the level itself), by name, then the
+    projections of its ``nn.MultiheadAttention`` s (:mod:`fedfuse.models.packed_attention`:
+    ``"<attention>.in_proj"``, the packed ``q``/``k``/``v``, and ``"<attention>.out_proj"``).
+    An attention module that cannot be packed so has no Gram and is averaged."""
     inside = {
         id(m)
         for attention in level.modules()
@@ -194,11 +197,12 @@ def mergeable_modules(level: nn.Module) -> list[tuple[str, nn.Module]]:
         for m in attention.modules()
         if m is not attention
     }
-    return [
+    plain = [
         (name, m)
         for name, m in level.named_modules()
         if name and mergeable(m) and id(m) not in inside
     ]
+    return plain + attention_projections(level)
 
 
 def module_gram_levels(model: Any) -> list[int]:

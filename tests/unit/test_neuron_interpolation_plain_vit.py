@@ -229,21 +229,66 @@ def test_it_fuses_as_the_same_weights_in_fedfuses_own_vit(sites, fusion_set):
     assert torch.allclose(got, expected, atol=1e-2 * float(expected.abs().max()))
 
 
-def test_regmean_says_it_averages_the_packed_attention_projections(sites, caplog):
-    """nn.MultiheadAttention applies its projections as functions: RegMean cannot record their
-    inputs, so it averages them, and says so (fedfuse's own ViT, with q/k/v/out Linears, is
-    merged whole by Grams and says nothing)."""
+def test_regmean_merges_torchvisions_attention_as_fedfuses_own_vit(sites):
+    """nn.MultiheadAttention applies its packed q/k/v and out projections as functions; their
+    inputs are recorded from the attention module's own (the query, the heads' mixed values),
+    so RegMean merges them by Grams, as the same weights in fedfuse's ViT (q, k, v, out
+    Linears) are merged: the same function, float32 rounding apart."""
     from fedfuse.federation import site_fusion_inputs
 
     data = [_task(40, seed) for seed in (3, 4)]
-    with caplog.at_level("WARNING", logger="fedfuse.fusion.methods.regression.regmean"):
-        inputs = site_fusion_inputs(sites, data, "regmean")
-        result = make_fusion_method("regmean").fuse(sites, inputs)
-    averaged = result.details["averaged_attention"]
-    assert averaged == [f"encoder.layers.encoder_layer_{i}.self_attention" for i in (0, 1)]
-    assert "averaged, not merged by their Grams" in caplog.text
-    assert "encoder_layer_0" in caplog.text and "encoder_layer_1" in caplog.text
-
+    result = make_fusion_method("regmean").fuse(sites, site_fusion_inputs(sites, data, "regmean"))
+    assert "averaged_attention" not in result.details
     owns = [_as_fedfuses_vit(site) for site in sites]
-    own_inputs = site_fusion_inputs(owns, data, "regmean")
-    assert "averaged_attention" not in make_fusion_method("regmean").fuse(owns, own_inputs).details
+    own = make_fusion_method("regmean").fuse(owns, site_fusion_inputs(owns, data, "regmean"))
+    x = _task(30, 9)[0]
+    with torch.no_grad():
+        expected, got = own.model.eval()(x), result.model.eval()(x)
+    assert torch.allclose(got, expected, atol=1e-2 * float(expected.abs().max()))
+    averaged = make_fusion_method("vanilla").fuse(sites, FusionInputs(x)).model.eval()
+    with torch.no_grad():  # and not what averaging the attention would give
+        assert not torch.allclose(averaged(x), expected, atol=1e-2 * float(expected.abs().max()))
+
+
+def test_an_attention_that_cannot_be_packed_is_averaged_and_named(caplog):
+    """Extra key/value biases have no place in the packed projection's Gram: RegMean averages
+    that attention and says which."""
+    from fedfuse.federation import site_fusion_inputs
+
+    class BiasedKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(6, 8)
+            self.attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            tokens = self.embed(x.reshape(-1, 4, 6))
+            return self.head(self.attention(tokens, tokens, tokens, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    models = [BiasedKV().eval(), BiasedKV().eval()]
+    data = [(torch.randn(20, 24), torch.randint(0, 3, (20,))) for _ in models]
+    with caplog.at_level("WARNING", logger="fedfuse.fusion.methods.regression.regmean"):
+        inputs = site_fusion_inputs(models, data, "regmean")
+        result = make_fusion_method("regmean").fuse(models, inputs)
+    assert any(name.endswith("attention") for name in result.details["averaged_attention"])
+    assert "averaged, not merged by their Grams" in caplog.text
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_recorded_out_proj_input_is_the_one_the_attention_applies(batch_first, masked):
+    """out_proj applied to the recomputed mixed values gives the attention's own output."""
+    from fedfuse.models.packed_attention import _mixed_values
+
+    torch.manual_seed(1)
+    attention = nn.MultiheadAttention(8, 2, batch_first=batch_first).eval()
+    x = torch.randn(3, 5, 8) if batch_first else torch.randn(5, 3, 8)
+    options = {"key_padding_mask": torch.rand(3, 5) < 0.3} if masked else {}
+    if masked:
+        options["key_padding_mask"][:, 0] = False  # every query sees a key
+    with torch.no_grad():
+        output = attention(x, x, x, need_weights=False, **options)[0]
+        mixed = _mixed_values(attention, x, options)
+        assert torch.allclose(attention.out_proj(mixed), output, atol=1e-5)

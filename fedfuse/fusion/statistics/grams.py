@@ -27,6 +27,7 @@ from fedfuse.models.affine import (
     output_rows,
 )
 from fedfuse.models.capture import hooked, run_batches
+from fedfuse.models.packed_attention import hooked_inputs, projection_module
 from fedfuse.models.symmetry import FeatureSpace
 
 #: rows of the design matrix multiplied at once in :func:`level_grams` (bounds memory for convs)
@@ -85,7 +86,7 @@ def module_grams_layout(model: LeveledModel) -> dict[int, list[GramBlock]]:
     }
     device = next(model.parameters()).device
     probe = torch.zeros(1, *model.spec.input_shape, device=device)
-    with hooked(watched, record, before=True):
+    with hooked_inputs(watched, record):
         run_batches(model, probe, batch_size=1, device=device)
     layout: dict[int, list[GramBlock]] = {}
     for level in levels:
@@ -188,10 +189,9 @@ def level_grams(
     blocks: dict[tuple[int, int], torch.Tensor] = {}
     block_modules: dict[tuple[int, int], nn.Module] = {}
     for level, level_blocks in layout.items():
-        modules = dict(model.levels[level].named_modules())
         for number, block in enumerate(level_blocks):
             blocks[level, number] = torch.zeros(block.size, block.size, dtype=torch.float64)
-            block_modules[level, number] = modules[block.modules[0]]
+            block_modules[level, number] = projection_module(model.levels[level], block.modules[0])
 
     def record_level(index: int, _level: nn.Module, args: tuple[Any, ...], y: torch.Tensor) -> None:
         x, view = args[0], views[index]
@@ -218,7 +218,7 @@ def level_grams(
         _accumulate(module, args[0], layout[key[0]][key[1]].bias, blocks[key])
 
     with (
-        hooked(block_modules, record_block, before=True),
+        hooked_inputs(block_modules, record_block),
         hooked({index: model.levels[index] for index in views}, record_level),
     ):
         run_batches(model, data, batch_size=batch_size, device=next(model.parameters()).device)

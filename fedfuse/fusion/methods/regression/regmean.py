@@ -43,7 +43,12 @@ BatchNorm affine parameters and running statistics, class token, position embedd
 average, weighted by the sites' sample counts when they are given (plain otherwise). A user's
 own model (:class:`~fedfuse.models.ModelAdapter`, e.g. a CNN with BatchNorm and residual adds)
 is merged the same way, by parameter name: a level that holds no Linear or Conv2d (a BatchNorm
-cut as a level of its own) has no Gram and is averaged whole. Modules that read the same tensor
+cut as a level of its own) has no Gram and is averaged whole. An ``nn.MultiheadAttention``
+(torchvision's ViT) applies its packed ``q``/``k``/``v`` projection and ``out_proj`` as
+functions; in self-attention both inputs are recorded from the module's own
+(:mod:`fedfuse.models.packed_attention`), so they are merged by Grams as fedfuse's ViT's
+``q``, ``k``, ``v`` and ``out`` Linears are (an attention that cannot be packed so is averaged,
+named in ``details["averaged_attention"]``). Modules that read the same tensor
 the same way (a ViT's ``q``, ``k`` and ``v``) share one Gram. So that such a level still travels
 as one ``{level: Gram}`` entry (the upload, checkpoint and validation formats are unchanged),
 its modules' Grams are packed into one block-diagonal matrix, in the order
@@ -98,19 +103,20 @@ from fedfuse.fusion.statistics.privacy import check_dp_options
 from fedfuse.fusion.statistics.summed_terms import SiteSums, check_statistics_mode
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias
+from fedfuse.models.packed_attention import packable
 
 log = logging.getLogger(__name__)
 
 
-def packed_attention(model: LeveledModel) -> list[str]:
-    """The names of ``model``'s ``nn.MultiheadAttention`` modules (a user's model's qualified
-    names): RegMean averages their packed projections, as no hook sees their inputs
-    (:func:`~fedfuse.models.affine.mergeable_modules`)."""
+def averaged_attention(model: LeveledModel) -> list[str]:
+    """The names of ``model``'s ``nn.MultiheadAttention`` modules whose projections RegMean
+    averages instead of merging by Grams: those not :func:`packable` (separate key/value
+    widths, extra key/value biases, zero attention)."""
     names = [
         name or model.level_name(index)
         for index, level in enumerate(model.levels)
         for name, module in level.named_modules()
-        if isinstance(module, nn.MultiheadAttention)
+        if isinstance(module, nn.MultiheadAttention) and not packable(module)
     ]
     return list(dict.fromkeys(names))
 
@@ -313,13 +319,13 @@ class RegMean(FusionMethod):
                 del grams
         # what no Gram merges (normalisation, embeddings) is averaged, by sample counts if given
         fused.load_state_dict(average_state(models, self._counts(inputs, sites)))
-        attention = packed_attention(fused)
+        attention = averaged_attention(fused)
         if attention:
             details["averaged_attention"] = attention
             log.warning(
-                "%s: the projections of %s are averaged, not merged by their Grams: "
-                "nn.MultiheadAttention applies them as functions, so no site records their "
-                "inputs (split them into nn.Linear layers, as fedfuse's ViT does, to merge them)",
+                "%s: the projections of %s are averaged, not merged by their Grams: an "
+                "nn.MultiheadAttention is merged by Grams only with one packed q/k/v projection "
+                "of the embedding, without bias_k/bias_v or add_zero_attn",
                 self.name,
                 ", ".join(attention),
             )

@@ -20,6 +20,7 @@ from fedfuse.fusion.statistics.grams import module_grams_layout
 from fedfuse.io.grams import full_gram
 from fedfuse.models import LeveledModel
 from fedfuse.models.affine import affine_view, fit_intercept
+from fedfuse.models.packed_attention import projection_module
 
 #: a system's key: ``(level, -1)`` for an affine level, ``(level, block)`` for a Gram block
 SystemKey = tuple[int, int]
@@ -117,8 +118,8 @@ def client_weights(
             matrix = affine_view(model.levels[level]).weights().double().cpu()
             weights[level, number] = matrix if system.bias else matrix[:-1]
             continue
-        modules = dict(model.levels[level].named_modules())
-        matrix = torch.cat([module_matrix(modules[m], system.bias) for m in system.modules], 1)
+        level_modules = [projection_module(model.levels[level], m) for m in system.modules]
+        matrix = torch.cat([module_matrix(m, system.bias) for m in level_modules], 1)
         weights[level, number] = matrix.double().cpu()
     return weights
 
@@ -198,10 +199,9 @@ def load_merged(
         view = affine_view(level)
         replace(view, bias=system.bias).set_weights(merged)
         return
-    modules = dict(level.named_modules())
     column = 0
     for module_name in system.modules:
-        module = modules[module_name]
+        module = projection_module(level, module_name)
         out = module.weight.shape[0]
         set_module_matrix(module, merged[:, column : column + out], system.bias)
         column += out
