@@ -78,6 +78,15 @@ def projection_module(level: nn.Module, name: str) -> Any:
     return level.get_submodule(name)
 
 
+def weight_name(name: str) -> str:
+    """The parameter name of a mergeable module's weight: ``"<attention>.in_proj_weight"`` for a
+    packed projection, ``"<module>.weight"`` otherwise."""
+    head, _, tail = name.rpartition(".")
+    if tail == IN_PROJ:
+        return f"{head}.in_proj_weight" if head else "in_proj_weight"
+    return f"{name}.weight"
+
+
 def _blocked(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: may not attend) as the additive one: -inf where True, else 0."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, -torch.inf)
@@ -176,4 +185,5 @@ __all__ = [
     "hooked_inputs",
     "packable",
     "projection_module",
+    "weight_name",
 ]

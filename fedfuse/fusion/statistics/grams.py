@@ -27,7 +27,7 @@ from fedfuse.models.affine import (
     output_rows,
 )
 from fedfuse.models.capture import hooked, run_batches
-from fedfuse.models.packed_attention import hooked_inputs, projection_module
+from fedfuse.models.packed_attention import hooked_inputs, projection_module, weight_name
 from fedfuse.models.symmetry import FeatureSpace
 
 #: rows of the design matrix multiplied at once in :func:`level_grams` (bounds memory for convs)
@@ -310,7 +310,7 @@ def align_grams(
         index, offset = [], 0
         for block in blocks:
             fan_in = block.size - int(block.bias)
-            key = f"{names[id(model.levels[level])]}.{block.modules[0]}.weight"
+            key = f"{names[id(model.levels[level])]}.{weight_name(block.modules[0])}"
             inner = order(key, fan_in)
             inner = torch.arange(fan_in) if inner is None else inner
             index.append(inner + offset)
