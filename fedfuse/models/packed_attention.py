@@ -133,7 +133,7 @@ def hooked_inputs(
     """As :func:`~fedfuse.models.capture.hooked` with ``before=True`` (``record(key, module,
     (input,), None)`` before each call), where ``modules`` may hold :class:`PackedProjection` s
     and attention ``out_proj`` s: their inputs are recorded after their attention module runs,
-    which must attend over one tensor (self-attention; ValueError naming it otherwise)."""
+    when it attends over one tensor (self-attention; otherwise they are not recorded)."""
     from fedfuse.models.capture import hooked  # capture imports the models package
 
     packed = {
@@ -156,10 +156,7 @@ def hooked_inputs(
         arguments = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
         query = arguments["query"]
         if arguments.get("key") is not query or arguments.get("value") is not query:
-            raise ValueError(
-                "RegMean merges an nn.MultiheadAttention by Grams in self-attention only "
-                "(query, key and value one tensor); this one attends over other tensors"
-            )
+            return  # attends over other tensors: no Gram of its inputs, it is averaged
         own = parts[id(attention)]
         if "in" in own:
             record(own["in"][0], own["in"][1], (query,), None)

@@ -250,24 +250,45 @@ def test_regmean_merges_torchvisions_attention_as_fedfuses_own_vit(sites):
         assert not torch.allclose(averaged(x), expected, atol=1e-2 * float(expected.abs().max()))
 
 
-def test_an_attention_that_cannot_be_packed_is_averaged_and_named(caplog):
-    """Extra key/value biases have no place in the packed projection's Gram: RegMean averages
-    that attention and says which."""
+class _BiasedKV(nn.Module):
+    """Self-attention with extra key/value biases, which the packed projection does not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        tokens = self.embed(x.reshape(-1, 4, 6))
+        return self.head(self.attention(tokens, tokens, tokens, need_weights=False)[0].mean(1))
+
+
+class _CrossAttention(nn.Module):
+    """Tokens attending over another embedding of the input (not self-attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.memory = nn.Linear(6, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        rows = x.reshape(-1, 4, 6)
+        tokens, memory = self.embed(rows), self.memory(rows)
+        return self.head(self.attention(tokens, memory, memory, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("model_class", [_BiasedKV, _CrossAttention])
+def test_an_attention_that_cannot_be_packed_is_averaged_and_named(model_class, caplog):
+    """Extra key/value biases have no place in the packed projection's Gram, and attention over
+    another tensor has no one input to take it from: RegMean averages such an attention and
+    says which."""
     from fedfuse.federation import site_fusion_inputs
 
-    class BiasedKV(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Linear(6, 8)
-            self.attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
-            self.head = nn.Linear(8, 3)
-
-        def forward(self, x):
-            tokens = self.embed(x.reshape(-1, 4, 6))
-            return self.head(self.attention(tokens, tokens, tokens, need_weights=False)[0].mean(1))
-
     torch.manual_seed(0)
-    models = [BiasedKV().eval(), BiasedKV().eval()]
+    models = [model_class().eval(), model_class().eval()]
     data = [(torch.randn(20, 24), torch.randint(0, 3, (20,))) for _ in models]
     with caplog.at_level("WARNING", logger="fedfuse.fusion.methods.regression.regmean"):
         inputs = site_fusion_inputs(models, data, "regmean")

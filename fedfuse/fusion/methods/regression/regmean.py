@@ -103,20 +103,27 @@ from fedfuse.fusion.statistics.privacy import check_dp_options
 from fedfuse.fusion.statistics.summed_terms import SiteSums, check_statistics_mode
 from fedfuse.models import LeveledModel, ModelSpec, build_model
 from fedfuse.models.affine import affine_view, check_fit_bias
-from fedfuse.models.packed_attention import packable
+from fedfuse.models.packed_attention import IN_PROJ
 
 log = logging.getLogger(__name__)
 
 
 def averaged_attention(model: LeveledModel) -> list[str]:
     """The names of ``model``'s ``nn.MultiheadAttention`` modules whose projections RegMean
-    averages instead of merging by Grams: those not :func:`packable` (separate key/value
-    widths, extra key/value biases, zero attention)."""
+    averages instead of merging by Grams: those without a Gram block (not
+    :func:`~fedfuse.models.packed_attention.packable`, or not attending over one tensor)."""
+    merged = {
+        (level, name)
+        for level, blocks in module_grams_layout(model).items()
+        for block in blocks
+        for name in block.modules
+    }
     names = [
         name or model.level_name(index)
         for index, level in enumerate(model.levels)
         for name, module in level.named_modules()
-        if isinstance(module, nn.MultiheadAttention) and not packable(module)
+        if isinstance(module, nn.MultiheadAttention)
+        and (index, f"{name}.{IN_PROJ}" if name else IN_PROJ) not in merged
     ]
     return list(dict.fromkeys(names))
 
@@ -324,8 +331,8 @@ class RegMean(FusionMethod):
             details["averaged_attention"] = attention
             log.warning(
                 "%s: the projections of %s are averaged, not merged by their Grams: an "
-                "nn.MultiheadAttention is merged by Grams only with one packed q/k/v projection "
-                "of the embedding, without bias_k/bias_v or add_zero_attn",
+                "nn.MultiheadAttention is merged by Grams only in self-attention with one packed "
+                "q/k/v projection of the embedding, without bias_k/bias_v or add_zero_attn",
                 self.name,
                 ", ".join(attention),
             )
