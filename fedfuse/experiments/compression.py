@@ -102,7 +102,7 @@ def run_seed(
                 **common,
                 "model": f"ResNet-{student_depth}: {label}",
                 **_score(result.model, test_set),
-                "fusion_seconds": round(time.perf_counter() - started, 1),
+                "fusion_seconds": round(time.perf_counter() - started, 3),
                 "peak_rss_gib": round(peak_rss_gib(), 2),
             }
         )
