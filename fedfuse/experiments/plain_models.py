@@ -35,9 +35,10 @@ from torch import nn
 from fedfuse.data import ImageDataset, load_dataset
 from fedfuse.experiments.user_models import OWN_SPECS, USER_MODELS, TemplateNet  # noqa: F401  (TemplateNet: re-exported for the example app)
 from fedfuse.federation.evaluation import evaluate_fusion
-from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
+from fedfuse.fusion import FusionInputs, FusionMethod, LocalSites, make_fusion_method
 from fedfuse.fusion.base import reads_sites
 from fedfuse.fusion.methods.regression.regmean import level_grams
+from fedfuse.fusion.registry import FUSION_METHODS
 from fedfuse.fusion.statistics.class_gaussians import (
     GaussianFusionSet,
     fit_class_gaussians,
@@ -46,6 +47,7 @@ from fedfuse.fusion.statistics.class_gaussians import (
 from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores
 from fedfuse.partitions import partition_labels, sample_fusion_set
 from fedfuse.runtime import configure_logging
+from fedfuse.settings.hydra import available_options, compose, method_from_config
 from fedfuse.training.loop import TrainConfig, train
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,14 @@ TORCHVISION_METHODS = (
 
 #: site extras a method reads (the rest read the weights, the fusion set and sample counts)
 _SITE_DATA = ("kf-sites", "hf-sites")
+
+
+def named_method(name: str) -> FusionMethod:
+    """A registered method by its name, or a packaged method config by its name (e.g.
+    ``kf-gradient-refine``), as ``fedfuse compare``'s ``method=`` takes them."""
+    if name in FUSION_METHODS or name not in available_options("method"):
+        return make_fusion_method(name)  # an unknown name fails here, listing the methods
+    return method_from_config(compose([f"method={name}"]).method)
 
 
 def run_seed(
@@ -108,9 +118,9 @@ def run_seed(
         spec = OWN_SPECS[model]
         builders["own "] = lambda: build_model(spec)
     row: dict[str, dict[str, float]] = {}
-    needs = set().union(*(make_fusion_method(name).needs() for name in methods))
+    needs = set().union(*(named_method(name).needs() for name in methods))
     completion = GaussianFusionSet(gaussian_samples, seed=seed + 3)  # as fedfuse compare's
-    rank = upload_rank(completion, [make_fusion_method(name) for name in methods])
+    rank = upload_rank(completion, [named_method(name) for name in methods])
     # each site's upload, fitted on its training data (the server draws from them)
     gaussians = [
         fit_class_gaussians(s.inputs(), s.labels, s.num_classes, rank=rank) for s in shares if rank
@@ -127,7 +137,7 @@ def run_seed(
             inputs = completion.complete_inputs(inputs, gaussians)
         fused, seconds = {}, {}
         for name in methods:
-            method = make_fusion_method(name)
+            method = named_method(name)
             if method.max_models is not None and sites > method.max_models:
                 continue
             started = time.perf_counter()
@@ -201,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         "--own", action="store_true", help="also fedfuse's own architecture of the model's shape"
     )
     parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
-    parser.add_argument("--methods", default=None, help="comma list (default: by model)")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="comma list of methods or packaged method configs, e.g. kf-gradient-refine "
+        "(default: by model)",
+    )
     parser.add_argument(
         "--gaussian-samples",
         type=int,

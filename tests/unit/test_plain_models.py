@@ -85,3 +85,15 @@ def test_gaussian_samples_complete_the_fusion_set_of_the_methods_that_read_one(f
     with caplog.at_level("INFO", logger="fedfuse.fusion.statistics.class_gaussians"):
         _seed_0(fashion, sites=2, methods=("regmean",), gaussian_samples=30)
     assert "Gaussian rows" not in caplog.text
+
+
+def test_methods_are_named_as_compare_names_them_packaged_configs_included():
+    refine = plain_models.named_method("kf-gradient-refine")  # configs/method/kf-gradient-refine
+    assert (refine.name, refine.options()["preset"], refine.options()["start"]) == (
+        "kf-gradient",
+        "refine",
+        "closed-form",
+    )
+    assert plain_models.named_method("kf-gradient").options()["preset"] != "refine"
+    with pytest.raises(ValueError, match="unknown fusion method 'kf-nothing'; known: "):
+        plain_models.named_method("kf-nothing")
