@@ -8,7 +8,10 @@ default). Every listed method fuses the sites' models through
 ``hf-sites`` fit on each site's own training data (statistics rounds, in-process). The table
 compares them with the best single site and the ensemble, mean ± std over seeds. With ``--own``
 fedfuse's own architecture of the same shape (:data:`~.user_models.OWN_SPECS`) is trained with
-the same recipe on the same split and fused by the same methods (rows ``own ...``). With
+the same recipe on the same split and fused by the same methods (rows ``own ...``): from its
+own random start (``--own-start independent``), or from the torchvision model's initial weights
+copied into it (``--own-start shared``, :func:`~.user_models.as_fedfuse_model`), so that what
+differs between the two is the fusion alone. With
 ``--gaussian-samples N`` each site also fits its class Gaussians on its training data
 (:mod:`fedfuse.fusion.statistics.class_gaussians`, one upload) and the server completes its
 fusion set with ``N`` rows per site drawn from them, for every method that reads a fusion set
@@ -33,7 +36,12 @@ import torch
 from torch import nn
 
 from fedfuse.data import ImageDataset, load_dataset
-from fedfuse.experiments.user_models import OWN_SPECS, USER_MODELS, TemplateNet  # noqa: F401  (TemplateNet: re-exported for the example app)
+from fedfuse.experiments.user_models import (  # noqa: F401  (TemplateNet: re-exported for the example app)
+    OWN_SPECS,
+    USER_MODELS,
+    TemplateNet,
+    as_fedfuse_model,
+)
 from fedfuse.federation.evaluation import evaluate_fusion
 from fedfuse.fusion import FusionInputs, FusionMethod, LocalSites, make_fusion_method
 from fedfuse.fusion.base import reads_sites
@@ -69,6 +77,9 @@ TORCHVISION_METHODS = (
     "kf-sites",
 )
 
+#: how fedfuse's own architecture starts beside the user's model (``--own-start``)
+OWN_STARTS = ("independent", "shared")
+
 #: site extras a method reads (the rest read the weights, the fusion set and sample counts)
 _SITE_DATA = ("kf-sites", "hf-sites")
 
@@ -93,13 +104,15 @@ def run_seed(
     methods: tuple[str, ...] = METHODS,
     model: str = "template",
     own: bool = False,
+    own_start: str = "independent",
     train_samples: int = 0,
     gaussian_samples: int = 0,
 ) -> dict[str, dict[str, float]]:
     """One seed: train the sites, fuse with every method, evaluate; accuracy and fusion time.
 
     ``model`` names a :data:`~.user_models.USER_MODELS` entry; ``own`` adds fedfuse's own
-    architecture of its shape, trained and fused alike (rows prefixed ``own``);
+    architecture of its shape, trained and fused alike (rows prefixed ``own``), each site from
+    its own random start or (``own_start="shared"``) from the user's model's initial weights;
     ``train_samples`` caps each site's training share (0: all of it); ``gaussian_samples``
     rows per site drawn from the sites' class Gaussians complete the fusion set (0: none)."""
     labels = train_set.labels.numpy()
@@ -114,9 +127,14 @@ def run_seed(
     shares = [train_set.subset(part) for part in parts]
     fusion = train_set.subset(fusion_index)
     builders: dict[str, Callable[[], nn.Module]] = {"": USER_MODELS[model]}
+    if own_start not in OWN_STARTS:
+        raise ValueError(f"own_start must be one of {OWN_STARTS}, got {own_start!r}")
     if own:
         spec = OWN_SPECS[model]
-        builders["own "] = lambda: build_model(spec)
+        if own_start == "shared":  # drawn under the same seed as the user's site model
+            builders["own "] = lambda: as_fedfuse_model(USER_MODELS[model](), spec)
+        else:
+            builders["own "] = lambda: build_model(spec)
     row: dict[str, dict[str, float]] = {}
     needs = set().union(*(named_method(name).needs() for name in methods))
     completion = GaussianFusionSet(gaussian_samples, seed=seed + 3)  # as fedfuse compare's
@@ -210,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--own", action="store_true", help="also fedfuse's own architecture of the model's shape"
     )
+    parser.add_argument(
+        "--own-start",
+        default="independent",
+        choices=OWN_STARTS,
+        help="fedfuse's architecture from its own random start, or from the user's model's "
+        "initial weights (shared: the fusion alone differs)",
+    )
     parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
     parser.add_argument(
         "--methods",
@@ -242,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 methods=tuple(args.methods.split(",")) if args.methods else default,
                 model=args.model,
                 own=args.own,
+                own_start=args.own_start,
                 train_samples=args.train_samples,
                 gaussian_samples=args.gaussian_samples,
             )

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 from torchvision.models import VisionTransformer
 
+from fedfuse.experiments.user_models import as_fedfuse_model
 from fedfuse.fusion import FusionInputs, LocalSites, make_fusion_method
 from fedfuse.fusion.blocks.graph_pieces import fold_norm_levels
 from fedfuse.fusion.blocks.pieces import linear_pieces
 from fedfuse.fusion.blocks.token_levels import TokenEmbedding, TokenEncoder, TokenHead
-from fedfuse.models import LeveledModel, ModelAdapter, build_model, importance_scores, make_spec
+from fedfuse.models import LeveledModel, ModelAdapter, importance_scores, make_spec
 from tests.helpers import SmallViT, prototype_task, trained_small_vit
 
 SHAPE = (1, 28, 28)
@@ -185,33 +186,10 @@ def test_deeplift_scores_of_its_token_levels_weight_the_fit(sites, fusion_set):
     assert loss < 0.6 * average_loss
 
 
-@torch.no_grad()
 def _as_fedfuses_vit(model: SmallViT) -> LeveledModel:
-    """``model``'s function in fedfuse's own ViT: the packed projection split into ``q``, ``k``,
-    ``v``, the final norm's scale and shift folded into the classifier."""
-    own = build_model(
-        make_spec("vit", SHAPE, CLASSES, patch=7, depth=2, heads=2, hidden=32, mlp=64)
-    )
-    embedding, *blocks, head = own.eval().levels
-    embedding.projection.load_state_dict(model.conv_proj.state_dict())
-    embedding.class_token.copy_(model.class_token[0].T)
-    embedding.position.copy_(model.encoder.pos_embedding[0].T)
-    for block, layer in zip(blocks, model.encoder.layers, strict=True):
-        for mine, theirs in ((block.ln1, layer.ln_1), (block.ln2, layer.ln_2)):
-            mine.load_state_dict(theirs.state_dict())
-            mine.eps = theirs.eps
-        attention = layer.self_attention
-        for i, linear in enumerate((block.attention.q, block.attention.k, block.attention.v)):
-            linear.weight.copy_(attention.in_proj_weight[32 * i : 32 * (i + 1)])
-            linear.bias.copy_(attention.in_proj_bias[32 * i : 32 * (i + 1)])
-        block.attention.out.load_state_dict(attention.out_proj.state_dict())
-        block.fc1.load_state_dict(layer.mlp[0].state_dict())
-        block.fc2.load_state_dict(layer.mlp[3].state_dict())
-    norm, classifier = model.encoder.ln, model.heads.head
-    head[1].eps = norm.eps
-    head[2].weight.copy_(classifier.weight * norm.weight)
-    head[2].bias.copy_(classifier.bias + classifier.weight @ norm.bias)
-    return own
+    """``model``'s function in fedfuse's own ViT (the library's copy, as the experiments use)."""
+    spec = make_spec("vit", SHAPE, CLASSES, patch=7, depth=2, heads=2, hidden=32, mlp=64)
+    return as_fedfuse_model(model, spec)
 
 
 def test_it_fuses_as_the_same_weights_in_fedfuses_own_vit(sites, fusion_set):

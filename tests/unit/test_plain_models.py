@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import torchvision
+from torch import nn
 
 from fedfuse.data import DatasetNotFoundError, load_dataset
 from fedfuse.experiments import plain_models
+from fedfuse.experiments.user_models import GREY_28, OWN_SPECS, USER_MODELS, as_fedfuse_model
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,26 @@ def test_torchvision_models_trained_on_sites_are_fused_beside_fedfuse_s_own(fash
     assert row["kf-sites"]["accuracy"] > row["fedavg"]["accuracy"]
 
 
+def test_a_shared_start_trains_fedfuses_resnet_as_torchvisions_to_the_same_sites(fashion):
+    """``own_start="shared"``: fedfuse's ResNet-18 starts from the torchvision site's initial
+    weights, trains with the same recipe to the same function, and averages to the same model;
+    from independent starts the sites differ."""
+    methods = ("fedavg",)
+    options = {"sites": 2, "methods": methods, "model": "resnet18", "own": True}
+    shared = _seed_0(fashion, own_start="shared", train_samples=60, **options)
+    for name in ("best site", "ensemble", *methods):
+        expected = shared[name]["accuracy"]
+        assert shared[f"own {name}"]["accuracy"] == pytest.approx(expected, abs=4e-3)
+    independent = _seed_0(fashion, own_start="independent", train_samples=60, **options)
+    gaps = [
+        abs(independent[f"own {name}"]["accuracy"] - independent[name]["accuracy"])
+        for name in ("best site", "ensemble", *methods)
+    ]
+    assert max(gaps) > 4e-3
+    with pytest.raises(ValueError, match="own_start must be one of"):
+        _seed_0(fashion, own_start="same", **options)
+
+
 def test_gaussian_samples_complete_the_fusion_set_of_the_methods_that_read_one(fashion, caplog):
     """``gaussian_samples``: each site fits its class Gaussians and the server draws that many
     rows per site into its fusion set, for a method that reads one; RegMean reads Grams only,
@@ -97,3 +121,32 @@ def test_methods_are_named_as_compare_names_them_packaged_configs_included():
     assert plain_models.named_method("kf-gradient").options()["preset"] != "refine"
     with pytest.raises(ValueError, match="unknown fusion method 'kf-nothing'; known: "):
         plain_models.named_method("kf-nothing")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vit"])
+def test_torchvisions_weights_copied_into_fedfuses_architecture_compute_the_same_function(name):
+    torch.manual_seed(0)
+    model = USER_MODELS[name]()
+    with torch.no_grad():  # non-trivial norms, statistics and head (torchvision zeroes the ViT's)
+        for module in model.modules():
+            if isinstance(module, (nn.BatchNorm2d, nn.LayerNorm)):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0, 0.1)
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.normal_(0, 0.1)
+                module.running_var.uniform_(0.5, 2.0)
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0, 0.1)
+    own = as_fedfuse_model(model.eval(), OWN_SPECS[name])
+    x = torch.randn(8, *GREY_28)
+    with torch.no_grad():
+        expected = model(x)
+        assert torch.allclose(own(x), expected, atol=1e-4 * float(expected.abs().max()) + 1e-6)
+    assert any(not torch.equal(p, 0 * p) for p in model.parameters())
+
+
+def test_a_model_of_another_shape_is_not_copied_into_fedfuses_architecture():
+    with pytest.raises(ValueError, match="does not fit fedfuse's"):
+        as_fedfuse_model(torchvision.models.resnet34(num_classes=10), OWN_SPECS["resnet18"])
+    with pytest.raises(TypeError, match="got TemplateNet"):
+        as_fedfuse_model(USER_MODELS["template"](), OWN_SPECS["resnet18"])
