@@ -85,23 +85,47 @@ class GraphPlan:
                 calls[str(node.target)] = calls.get(str(node.target), 0) + 1
         where = {name: (i, s) for i, s in enumerate(self.segments) for name in s.nodes}
         root = self.graph_module
-        probes = []
-        for probe, dim in space.probes:
-            name, _, projection = probe.partition("#")  # a packed attention projection
+
+        def captured(name: str, projection: str = "") -> str | None:
+            """The leveled module whose output is node ``name``'s, if one is."""
             index, segment = where.get(name, (None, None))
             if segment is None:
-                continue
+                return None
             node = nodes[name]
             if segment.nodes[-1] == name and not projection:
-                probes.append((f"levels.{index}", dim))
-            elif (
+                return f"levels.{index}"
+            if (
                 node.op == "call_module"
                 and calls[str(node.target)] == 1
                 and any(True for _ in root.get_submodule(str(node.target)).parameters())
             ):
-                suffix = f"#{projection}" if projection else ""
-                probes.append((f"levels.{index}.{node.target}{suffix}", dim))
-        return FeatureSpace(space.name, space.size, axes, tuple(probes), space.groups)
+                return f"levels.{index}.{node.target}" + (f"#{projection}" if projection else "")
+            return None
+
+        probes, read = [], []
+        dims = dict(space.probes)
+        for probe, dim in space.probes:
+            name, _, projection = probe.partition("#")  # a packed attention projection
+            found = captured(name, projection)
+            if found is None:
+                continue
+            probes.append((found, dim))
+            if projection:
+                read.append((found, dim))
+        for name in space.read:  # or, not capturable (a shared ReLU), the node it activates
+            node = nodes[name]
+            found = captured(name)
+            while found is None and len(node.all_input_nodes) == 1:
+                node = node.all_input_nodes[0]
+                if node.name not in dims:
+                    break
+                found = captured(node.name)
+            if found is not None and (found, dims[name]) not in read:
+                read.append((found, dims[name]))
+        # what the next learned maps read (a stream after its block's activation), where that
+        # can be captured; else every node that holds the space
+        chosen = [p for p in probes if p in read] + [p for p in read if p not in probes] or probes
+        return FeatureSpace(space.name, space.size, axes, tuple(chosen), space.groups)
 
 
 def _channels(shape: tuple[int, ...] | None) -> int:

@@ -5,12 +5,16 @@ after a node whose tensor is the only value still needed by what follows: a resi
 attention block with its skip connection, or a ``cat`` of two branches stays inside one level.
 Each level is an ``fx.GraphModule`` over the nodes between two cuts that holds the user's own
 submodules and parameters under their own paths, so an adapted model shares the user's weights
-and a level's state-dict keys are the user's keys behind ``levels.<index>.``.
+and a level's state-dict keys are the user's keys behind ``levels.<index>.``. An activation the
+user runs in place (``nn.ReLU(inplace=True)``, as torchvision's models do) runs out of place in a
+level, so a level's output or a probed module's output is still what was captured after the next
+level or module has run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import operator
 from dataclasses import dataclass
@@ -104,10 +108,24 @@ class Segment:
         root: dict[str, object] = {}
         for target in self.targets:
             try:
-                root[target] = operator.attrgetter(target)(model)
+                root[target] = _out_of_place(operator.attrgetter(target)(model))
             except AttributeError:
                 root[target] = operator.attrgetter(target)(constants)
         return fx.GraphModule(root, self.graph, class_name="GraphLevel")
+
+
+def _out_of_place(module: object) -> object:
+    """``module``, or for a parameterless module set to work in place (an activation, a
+    dropout) a copy that does not: nothing of the user's model changes, and no tensor a level
+    handed on or a hook kept is overwritten by the module that reads it next."""
+    if (
+        isinstance(module, nn.Module)
+        and getattr(module, "inplace", False) is True
+        and not any(True for _ in module.parameters())
+    ):
+        module = copy.deepcopy(module)
+        module.inplace = False
+    return module
 
 
 def cut_segments(graph_module: fx.GraphModule) -> list[Segment]:
@@ -139,6 +157,8 @@ def _segment(source: fx.Node, members: list[fx.Node]) -> Segment:
     env: dict[fx.Node, fx.Node] = {source: graph.placeholder("x")}
     for node in members:
         env[node] = graph.node_copy(node, lambda n: env[n])
+        if env[node].kwargs.get("inplace") is True:  # F.relu(x, inplace=True): out of place
+            env[node].kwargs = {**env[node].kwargs, "inplace": False}
     graph.output(env[members[-1]])
     targets = tuple(
         dict.fromkeys(str(n.target) for n in members if n.op in ("call_module", "get_attr"))

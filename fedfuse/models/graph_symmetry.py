@@ -23,6 +23,11 @@ permuted together:
 - a parameter read in ``forward`` (a class token, a position embedding) takes the space it is
   added to or concatenated with.
 
+Each space is probed (:attr:`DerivedSpace.probes`) on the nodes that hold its channels; those a
+learned map reads (a ``Linear``, ``Conv`` or attention input, :attr:`DerivedSpace.read`) are the
+features the network passes on: a residual stream after its block's activation, as fedfuse's
+own ResNet and ViT levels are probed, rather than the branches summed into it.
+
 The model's input and the classifier's outputs are *fixed*: a space joined to them is never
 permuted. Any other operation on a tensor that carries a permutable space (a custom function, a
 ``flip``, a grouped convolution) is refused in one line naming the node and the op; the model
@@ -99,6 +104,8 @@ class DerivedSpace:
     axes: list[Axis] = field(default_factory=list)
     probes: list[tuple[str, int]] = field(default_factory=list)
     groups: int = 1
+    #: the probes (node names) a learned map reads: a Linear, Conv or attention input
+    read: set[str] = field(default_factory=set)
 
 
 class _UnionFind:
@@ -147,6 +154,7 @@ class _Deriver:
         self.opaque: list[tuple[fx.Node, list[int]]] = []
         self.projections: list[tuple[int, str, int]] = []  # attention probes (capture.py)
         self.features: dict[fx.Node, Any] = {}
+        self.read: set[fx.Node] = set()  # nodes a Linear, Conv or attention reads
 
     # ----------------------------------------------------------------- helpers
     def where(self, node: fx.Node) -> str:
@@ -276,6 +284,8 @@ class _Deriver:
 
     def affine(self, node: fx.Node, module: nn.Module, path: str, x: Any, dim: int) -> Features:
         self.consume(x if isinstance(x, Features) else None, f"{path}.weight")
+        if node.args and isinstance(node.args[0], fx.Node):
+            self.read.add(node.args[0])
         out = self.fresh(node, module.weight.shape[0], dim)
         space = out.parts[0][0]
         self.produce(space, f"{path}.weight")
@@ -312,6 +322,7 @@ class _Deriver:
             self.join(feats[0], f, node)
         path, width, heads = str(node.target), module.embed_dim, module.num_heads
         self.consume(feats[0], f"{path}.in_proj_weight")
+        self.read.update(a for a in qkv if isinstance(a, fx.Node))
         query_key = self.spaces.new(width, f"{node.name}.qk")
         value = self.spaces.new(width, f"{node.name}.v")
         for space, offsets in ((query_key, (0, width)), (value, (2 * width,))):
@@ -476,6 +487,8 @@ class _Deriver:
                 found = spaces.get(self.spaces.find(feats.parts[0][0]))
                 if found is not None:
                     found.probes.append((node.name, feats.dim))
+                    if node in self.read:
+                        found.read.add(node.name)
         for space, probe, dim in self.projections:
             found = spaces.get(self.spaces.find(space))
             if found is not None:
