@@ -78,7 +78,7 @@ TORCHVISION_METHODS = (
 )
 
 #: how fedfuse's own architecture starts beside the user's model (``--own-start``)
-OWN_STARTS = ("independent", "shared")
+OWN_STARTS = ("independent", "shared", "copied")
 
 #: site extras a method reads (the rest read the weights, the fusion set and sample counts)
 _SITE_DATA = ("kf-sites", "hf-sites")
@@ -112,7 +112,8 @@ def run_seed(
 
     ``model`` names a :data:`~.user_models.USER_MODELS` entry; ``own`` adds fedfuse's own
     architecture of its shape, trained and fused alike (rows prefixed ``own``), each site from
-    its own random start or (``own_start="shared"``) from the user's model's initial weights;
+    its own random start, from the user's model's initial weights (``own_start="shared"``), or
+    not trained at all but the user's trained sites copied in (``"copied"``: the same functions);
     ``train_samples`` caps each site's training share (0: all of it); ``gaussian_samples``
     rows per site drawn from the sites' class Gaussians complete the fusion set (0: none)."""
     labels = train_set.labels.numpy()
@@ -143,8 +144,13 @@ def run_seed(
     gaussians = [
         fit_class_gaussians(s.inputs(), s.labels, s.num_classes, rank=rank) for s in shares if rank
     ]
+    copied = None  # own_start="copied": the user's trained sites in fedfuse's architecture
     for prefix, build in builders.items():
-        nets, extras = _trained_sites(build, shares, train_set.input_shape, seed, epochs, needs)
+        nets, extras = _trained_sites(
+            build, shares, train_set.input_shape, seed, epochs, needs, trained=copied
+        )
+        if own and own_start == "copied" and not prefix:
+            copied = [as_fedfuse_model(net, OWN_SPECS[model]) for net in nets]
         inputs = FusionInputs(
             data=fusion.inputs(),
             labels=fusion.labels,
@@ -176,18 +182,23 @@ def _trained_sites(
     seed: int,
     epochs: int,
     needs: set[str],
+    trained: list[nn.Module] | None = None,
 ) -> tuple[list[nn.Module], dict]:
     """Each site's model trained on its share, and what the sites send besides the weights
     that the methods read (``needs``): DeepLIFT scores on 512 of its samples, Gram matrices,
-    and their labelled rows for statistics rounds and scores."""
+    and their labelled rows for statistics rounds and scores. ``trained``: the sites' models,
+    already trained (only their extras are computed)."""
     adapter = None
     if not isinstance(build(), LeveledModel):  # a user's class, traced once
         adapter = ModelAdapter(build, input_shape).register()
     nets, scores, grams = [], [], []
     for site, data in enumerate(shares):
-        torch.manual_seed(seed * 1000 + site)
-        net = build()
-        train(net, data, TrainConfig(epochs=epochs), seed=seed * 1000 + site, progress=False)
+        if trained is None:
+            torch.manual_seed(seed * 1000 + site)
+            net = build()
+            train(net, data, TrainConfig(epochs=epochs), seed=seed * 1000 + site, progress=False)
+        else:
+            net = trained[site]
         net.eval()
         leveled = net if adapter is None else adapter.adapt(net)
         generator = torch.Generator().manual_seed(seed * 1000 + site)
@@ -232,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         "--own-start",
         default="independent",
         choices=OWN_STARTS,
-        help="fedfuse's architecture from its own random start, or from the user's model's "
-        "initial weights (shared: the fusion alone differs)",
+        help="fedfuse's architecture from its own random start, from the user's model's "
+        "initial weights (shared), or the user's trained sites copied in (copied: the fusion "
+        "alone differs)",
     )
     parser.add_argument("--train-samples", type=int, default=0, help="cap per site (0: all)")
     parser.add_argument(

@@ -93,6 +93,9 @@ def test_a_shared_start_trains_fedfuses_resnet_as_torchvisions_to_the_same_sites
         for name in ("best site", "ensemble", *methods)
     ]
     assert max(gaps) > 4e-3
+    copied = _seed_0(fashion, own_start="copied", train_samples=60, **options)
+    assert copied["own best site"] == copied["best site"]  # the trained sites, not retrained
+    assert copied["own fedavg"]["accuracy"] == copied["fedavg"]["accuracy"]
     with pytest.raises(ValueError, match="own_start must be one of"):
         _seed_0(fashion, own_start="same", **options)
 
