@@ -53,7 +53,7 @@ from fedfuse.models.channel_ops import (
     FLATTENS,
 )
 from fedfuse.models.graph_adapter import GraphPlan
-from fedfuse.models.graph_levels import trace
+from fedfuse.models.graph_levels import out_of_place, trace
 from fedfuse.models.leveled import LeveledModel
 from fedfuse.models.registry import register_architecture
 from fedfuse.models.spec import ModelSpec
@@ -172,12 +172,13 @@ class ModelAdapter:
             return self._graph.adapt(model).train(model.training)
         levels = []
         for steps in self._levels:
-            modules = [
-                model.get_submodule(s.path)
-                if s.path is not None and s.affine
-                else copy.deepcopy(model.get_submodule(s.path) if s.path else s.module)
-                for s in steps
-            ]
+            modules = []
+            for s in steps:
+                if s.path is not None and s.affine:
+                    modules.append(model.get_submodule(s.path))
+                else:  # parameter-free: a copy, never run in place (a capture keeps its input)
+                    own = model.get_submodule(s.path) if s.path else s.module
+                    modules.append(out_of_place(copy.deepcopy(own)))
             levels.append(modules[0] if len(modules) == 1 else nn.Sequential(*modules))
         leveled = LeveledModel(levels, self.spec)
         return leveled.train(model.training)
@@ -317,7 +318,10 @@ def _step(template: nn.Module, node: fx.Node, previous: fx.Node, where: str) -> 
         if target in CHANNELWISE_FUNCTIONS or target in ACTIVATION_FUNCTIONS:
             position = list(node.args).index(previous)
             args = tuple(None if i == position else arg for i, arg in enumerate(node.args))
-            call = _Call(node.op, target, args, position, dict(node.kwargs))
+            kwargs = dict(node.kwargs)
+            if kwargs.get("inplace") is True:  # F.relu(x, inplace=True): out of place in a level
+                kwargs["inplace"] = False
+            call = _Call(node.op, target, args, position, kwargs)
             return _Step(node.name, module=call)
     if node.op == "get_attr":
         raise _NotAChain(f"{where}: reads a tensor attribute directly; fedfuse adapts layers")

@@ -108,13 +108,13 @@ class Segment:
         root: dict[str, object] = {}
         for target in self.targets:
             try:
-                root[target] = _out_of_place(operator.attrgetter(target)(model))
+                root[target] = out_of_place(operator.attrgetter(target)(model))
             except AttributeError:
                 root[target] = operator.attrgetter(target)(constants)
         return fx.GraphModule(root, self.graph, class_name="GraphLevel")
 
 
-def _out_of_place(module: object) -> object:
+def out_of_place(module: object) -> object:
     """``module``, or for a parameterless module set to work in place (an activation, a
     dropout) a copy that does not: nothing of the user's model changes, and no tensor a level
     handed on or a hook kept is overwritten by the module that reads it next."""

@@ -11,6 +11,7 @@ from torch import nn
 from fedfuse.experiments.plain_models import TemplateNet
 from fedfuse.fusion import FusionInputs, make_fusion_method
 from fedfuse.models import ModelAdapter, build_model, register_architecture
+from fedfuse.models.capture import capture_levels
 from fedfuse.models.symmetry import feature_spaces, permute_model, random_permutations
 
 
@@ -170,3 +171,40 @@ def test_captum_scores_every_neuron_of_an_adapted_model(adapter):
     widths = [*adapter.spec.widths, adapter.spec.num_classes]
     assert [len(scores[i]) for i in leveled.neuron_levels] == widths
     assert all(torch.isfinite(s).all() and (s >= 0).all() for s in scores.values())
+
+
+class _InPlaceNet(nn.Module):
+    """A chain whose activations run in place, module and function, as users often write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.fc3 = (
+            nn.Linear(6, 8),
+            nn.ReLU(inplace=True),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc2(self.act(self.fc1(x)))
+        return self.fc3(F.relu(x, inplace=True))
+
+
+def test_in_place_activations_do_not_overwrite_the_captured_outputs_of_the_level_before():
+    """Each Linear level's captured outputs are its pre-activations (negatives kept), though
+    the user's ReLUs run in place; the user's model keeps its in-place ReLU and its function."""
+    torch.manual_seed(0)
+    net = _InPlaceNet().eval()
+    adapted = ModelAdapter(_InPlaceNet, (6,)).adapt(net)
+    x = torch.randn(16, 6)
+    captured = capture_levels(adapted, x, device="cpu")
+    with torch.no_grad():
+        first = net.fc1(x)
+        second = net.fc2(torch.relu(first))
+        expected = net(x.clone())
+    linears = [i for i, level in enumerate(adapted.levels) if isinstance(level, nn.Linear)]
+    assert torch.equal(captured[linears[0]].outputs, first) and (first < 0).any()
+    assert torch.equal(captured[linears[1]].outputs, second) and (second < 0).any()
+    assert net.act.inplace is True
+    with torch.no_grad():
+        assert torch.allclose(adapted(x), expected)
