@@ -21,12 +21,8 @@ permuted together:
   are one space, its value rows and ``out_proj``'s inputs another, both permuted within heads,
   and its output is a new space;
 - a parameter read in ``forward`` (a class token, a position embedding) takes the space it is
-  added to or concatenated with.
-
-Each space is probed (:attr:`DerivedSpace.probes`) on the nodes that hold its channels; those a
-learned map reads (a ``Linear``, ``Conv`` or attention input, :attr:`DerivedSpace.read`) are the
-features the network passes on: a residual stream after its block's activation, as fedfuse's
-own ResNet and ViT levels are probed, rather than the branches summed into it.
+  added to or concatenated with. A space is probed on the nodes holding its channels;
+  :attr:`DerivedSpace.read` marks those a ``Linear``, ``Conv`` or attention reads.
 
 The model's input and the classifier's outputs are *fixed*: a space joined to them is never
 permuted. Any other operation on a tensor that carries a permutable space (a custom function, a
@@ -104,8 +100,7 @@ class DerivedSpace:
     axes: list[Axis] = field(default_factory=list)
     probes: list[tuple[str, int]] = field(default_factory=list)
     groups: int = 1
-    #: the probes (node names) a learned map reads: a Linear, Conv or attention input
-    read: set[str] = field(default_factory=set)
+    read: set[str] = field(default_factory=set)  # probes a Linear, Conv or attention reads
 
 
 class _UnionFind:
@@ -284,8 +279,7 @@ class _Deriver:
 
     def affine(self, node: fx.Node, module: nn.Module, path: str, x: Any, dim: int) -> Features:
         self.consume(x if isinstance(x, Features) else None, f"{path}.weight")
-        if node.args and isinstance(node.args[0], fx.Node):
-            self.read.add(node.args[0])
+        self.read.update(arg for arg in node.args[:1] if isinstance(arg, fx.Node))
         out = self.fresh(node, module.weight.shape[0], dim)
         space = out.parts[0][0]
         self.produce(space, f"{path}.weight")
