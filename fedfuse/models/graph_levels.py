@@ -101,6 +101,8 @@ class Segment:
     nodes: tuple[str, ...]
     graph: fx.Graph
     targets: tuple[str, ...]
+    #: in-place modules whose input is read again after them: they stay in place
+    in_place: frozenset[str] = frozenset()
 
     def build(self, model: nn.Module, constants: fx.GraphModule) -> fx.GraphModule:
         """The level over ``model``'s own submodules and parameters (shared, not copied);
@@ -108,7 +110,8 @@ class Segment:
         root: dict[str, object] = {}
         for target in self.targets:
             try:
-                root[target] = out_of_place(operator.attrgetter(target)(model))
+                module = operator.attrgetter(target)(model)
+                root[target] = module if target in self.in_place else out_of_place(module)
             except AttributeError:
                 root[target] = operator.attrgetter(target)(constants)
         return fx.GraphModule(root, self.graph, class_name="GraphLevel")
@@ -155,15 +158,22 @@ def cut_segments(graph_module: fx.GraphModule) -> list[Segment]:
 def _segment(source: fx.Node, members: list[fx.Node]) -> Segment:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {source: graph.placeholder("x")}
+    in_place = set()
     for node in members:
         env[node] = graph.node_copy(node, lambda n: env[n])
-        if env[node].kwargs.get("inplace") is True:  # F.relu(x, inplace=True): out of place
+        # an in-place op whose input nothing else reads runs out of place (F.relu(x,
+        # inplace=True) here, modules in build); one whose input is read again keeps its effect
+        read_again = any(len(arg.users) > 1 for arg in node.all_input_nodes)
+        if read_again and node.op == "call_module":
+            in_place.add(str(node.target))
+        elif env[node].kwargs.get("inplace") is True and not read_again:
             env[node].kwargs = {**env[node].kwargs, "inplace": False}
     graph.output(env[members[-1]])
     targets = tuple(
         dict.fromkeys(str(n.target) for n in members if n.op in ("call_module", "get_attr"))
     )
-    return Segment(source.name, tuple(n.name for n in members), graph, targets)
+    nodes = tuple(n.name for n in members)
+    return Segment(source.name, nodes, graph, targets, frozenset(in_place))
 
 
 def describe(node: fx.Node, root: nn.Module | None = None) -> str:

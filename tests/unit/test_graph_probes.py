@@ -66,3 +66,25 @@ def test_an_in_place_activation_does_not_overwrite_what_the_levels_before_it_out
     stem_norm = capture_levels(adapted, torch.randn(4, *GREY_28), [1], device="cpu")[1].outputs
     assert (stem_norm < 0).any()
     assert model.relu.inplace is True
+
+
+class _ReadAgain(nn.Module):
+    """An in-place ReLU whose input the code reads again: its effect is part of the function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        y = self.act(h)  # h is now relu(h) too
+        return self.fc2(y + h)
+
+
+def test_an_in_place_op_whose_input_is_read_again_keeps_its_effect():
+    torch.manual_seed(0)
+    model = _ReadAgain().eval()
+    adapted = ModelAdapter(_ReadAgain, (6,)).adapt(model)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        assert torch.allclose(adapted(x), model(x.clone()))
