@@ -101,7 +101,7 @@ class Segment:
     nodes: tuple[str, ...]
     graph: fx.Graph
     targets: tuple[str, ...]
-    #: in-place modules whose input is read again after them: they stay in place
+    #: modules whose input is read again after them: never swapped for an out-of-place copy
     in_place: frozenset[str] = frozenset()
 
     def build(self, model: nn.Module, constants: fx.GraphModule) -> fx.GraphModule:
